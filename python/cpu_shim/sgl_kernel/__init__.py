@@ -1,0 +1,73 @@
+"""Stand-in for `sgl_kernel` on CPU machines that have no build of it (PyPI ships none).
+
+SGLang 0.5.23 imports a few `*_cpu` names from sgl_kernel at import time even though, on a CPU
+without AMX, it never calls them. This package satisfies those imports and nothing more: every
+name is a callable that raises as soon as it is called, so a code path that really needs a
+kernel fails loudly instead of computing garbage.
+
+It is only put on sys.path by the CPU install (scripts/bootstrap.sh writes a .pth file that
+appends this directory *after* site-packages), so a real sgl_kernel always wins.
+"""
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+IS_FARSKIP_CPU_STAND_IN = True
+_FIX = (
+    "this machine has no sgl_kernel build (sglang_farskip's CPU stand-in is installed): "
+    "run on a GPU node with SGLang's own image, or keep the CPU path on torch-native ops "
+    "(--device cpu --attention-backend torch_native, which sglang_farskip.launch_server sets)"
+)
+
+
+class MissingKernel:
+    """A kernel that does not exist here. Importing it is fine; calling it is an error."""
+
+    def __init__(self, qualname: str):
+        self.__qualname__ = self.__name__ = qualname
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"sgl_kernel.{self.__qualname__} was called, but {_FIX}")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return MissingKernel(f"{self.__qualname__}.{name}")
+
+    def __repr__(self) -> str:
+        return f"<missing sgl_kernel.{self.__qualname__}>"
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return MissingKernel(name)
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return MissingKernel(f"{self.__name__.partition('.')[2]}.{name}")
+
+
+class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`from sgl_kernel.scalar_type import ScalarType` and friends get a stub submodule."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith(__name__ + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.append(_SubmoduleFinder())

@@ -1,0 +1,114 @@
+"""SGLang 0.5.23 on a CPU without AMX: environment, defaults, and two upstream gaps.
+
+Upstream gaps (fixed at plugin load, in every SGLang process, see plugin.py):
+1. DeepSeek MLA prefill with --attention-backend torch_native: the backend registry has no
+   torch_native entry, falls back to the triton handler, which picks the MHA prefill path whose
+   k/v head sizes do not match torch_native's compressed MLA KV cache (RuntimeError in
+   torch_native_backend.py). We route torch_native to the absorbed-MLA method for every batch,
+   which is what the torch_native backend actually implements for MLA.
+2. --ep-size > 1 with the native CPU MoE: topk ids of experts owned by another EP rank arrive
+   as -1 and `moe_forward_native` indexes with them (index -1 out of bounds). We send those
+   slots to expert 0 with weight 0: they contribute exactly nothing, at the cost of some
+   wasted work on expert 0 (this path is the CPU correctness harness, not a fast path).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("sglang_farskip.cpu")
+
+# The CPU KV cache otherwise takes a large share of RAM and startup time.
+DEFAULT_MAX_TOTAL_TOKENS = "16384"
+
+
+def is_cpu_run() -> bool:
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+
+
+def stand_in_kernels() -> bool:
+    """True if `sgl_kernel` is this project's raising stand-in (no real CPU build here)."""
+    try:
+        import sgl_kernel
+    except ImportError:
+        return False
+    return bool(getattr(sgl_kernel, "IS_FARSKIP_CPU_STAND_IN", False))
+
+
+def cpu_environment(ranks_on_this_node: int, cores: int) -> dict[str, str]:
+    """Environment SGLang's CPU engine needs; callers apply it with setdefault semantics."""
+    env = {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        # torch's CUDA build bundles NCCL; SGLang then builds a pynccl communicator on CPU
+        # tensors and fails. A path that does not exist makes it skip pynccl.
+        "SGLANG_NCCL_SO_PATH": "/nonexistent/sglang-farskip-no-nccl-on-cpu/libnccl.so",
+    }
+    # One core set per rank, "0|1" style; SGLang asserts it is set when TP > 1 and pins
+    # each rank's OpenMP threads to its set. Ranks beyond the cores share the last one.
+    per_rank = max(1, cores // max(1, ranks_on_this_node))
+    sets = []
+    for r in range(ranks_on_this_node):
+        first = min(r * per_rank, cores - 1)
+        last = min(first + per_rank - 1, cores - 1)
+        sets.append(str(first) if first == last else f"{first}-{last}")
+    env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(sets)
+    if ranks_on_this_node > 1:
+        # Oversubscribed OpenMP threads across ranks made TP=2 about 3x slower here.
+        env["OMP_NUM_THREADS"] = str(per_rank)
+    return env
+
+
+def cpu_default_args() -> list[tuple[str, str | None]]:
+    """(flag, value) pairs the launcher adds on CPU unless the user gave the flag."""
+    return [
+        ("--device", "cpu"),
+        ("--attention-backend", "torch_native"),
+        ("--max-total-tokens", DEFAULT_MAX_TOTAL_TOKENS),
+    ]
+
+
+_applied = False
+
+
+def apply_cpu_fixes() -> None:
+    """Install the two upstream fixes. Idempotent; harmless on GPU (both touch CPU-only
+    code paths), but only called when SGLang runs on CPU."""
+    global _applied
+    if _applied:
+        return
+    _register_torch_native_mla_handler()
+    _make_native_moe_skip_foreign_experts()
+    _applied = True
+    logger.info("sglang_farskip: CPU fixes applied (torch_native MLA dispatch, EP>1 native MoE)")
+
+
+def _register_torch_native_mla_handler() -> None:
+    from sglang.srt.models.deepseek_common import attention_backend_handler as abh
+
+    def handle_attention_torch_native(attn, forward_batch):
+        # torch_native implements MLA only in absorbed form over the compressed KV cache.
+        return abh._dispatch_mla_subtype(attn, forward_batch)
+
+    abh.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
+
+
+def _make_native_moe_skip_foreign_experts() -> None:
+    from sglang.srt.layers.moe import fused_moe_native
+
+    upstream = fused_moe_native.moe_forward_native
+    if getattr(upstream, "_farskip_wrapped", False):
+        return
+
+    def moe_forward_native(layer, x, topk_output, moe_runner_config):
+        foreign = topk_output.topk_ids < 0
+        if bool(foreign.any()):
+            topk_output = topk_output._replace(
+                topk_ids=topk_output.topk_ids.masked_fill(foreign, 0),
+                topk_weights=topk_output.topk_weights.masked_fill(foreign, 0.0),
+            )
+        return upstream(layer, x, topk_output, moe_runner_config)
+
+    moe_forward_native._farskip_wrapped = True
+    # unquant.py imports the function at call time, so rebinding the module attribute is seen.
+    fused_moe_native.moe_forward_native = moe_forward_native

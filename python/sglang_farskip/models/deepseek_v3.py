@@ -1,0 +1,273 @@
+"""FarSkip DeepSeek-V3 inside SGLang 0.5.23: upstream layers and weights, FarSkip wiring.
+
+Notation (per decoder layer k, all [T, H] on the residual stream, T tokens, H hidden):
+    x       the residual, complete except for the sums still in flight
+    a       attention output partial (o_proj without its all-reduce)      [T, H]
+    s       shared-expert partial (a dense layer's whole MLP output)     [T, H]
+    r       routed-expert partial (MoE layers only)                      [T, H]
+    A lane  AR(a + s) of the previous layer      R lane  AR(r) of the previous layer
+
+A layer (DESIGN.md section 1; `FarSkipConfig` decides per layer):
+    x += A lane                                   # now x = h[k-1] - r[k-1]
+    if attention reads full h:  x += R lane
+    a = Attn(norm_in(x))
+    if the MLP skips a:  x += R lane;  mlp_in = x            (h[k-1])
+    else:                x += R lane;  x += AR(a); mlp_in = x (h[k-1] + a)
+    s = Shared(norm_post(mlp_in));  A lane = AR(a + s)   (just AR(s) if a was reduced)
+    r = Routed(norm_post(mlp_in));  R lane = AR(r)
+and after the last layer x += A lane; x += R lane; out = norm(x).
+
+Upstream's DeepseekV2Model.forward runs the same sub-modules through SGLang's layer-boundary
+framework, which holds one pending sum at a time; FarSkip needs two, so the model's forward is
+replaced (only the forward: layers, weights and loading stay upstream's). `sync` and `overlap`
+run this one code path; they differ only in the communicator (blocking or async), so both add
+the same sums in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+
+from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
+from sglang.srt.layers.layer_boundary.adapters.attention import (
+    AttentionInputs,
+    get_attn_tp_context,
+)
+from sglang.srt.models.deepseek_v2 import (
+    DeepseekV2MoE,
+    DeepseekV2Model,
+    DeepseekV3ForCausalLM,
+)
+from sglang.srt.runtime_context import get_parallel, get_server_args
+from sglang.srt.utils import BumpAllocator
+
+from sglang_farskip import SGLANG_VERSION
+from sglang_farskip.comm import Communicator, Handle
+from sglang_farskip.compat import unsupported
+from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, FarSkipMode, is_moe_layer
+from sglang_farskip.status import write_rank_status
+
+logger = logging.getLogger("sglang_farskip.model")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWiring:
+    attn_skips_prev_routed: bool  # attention reads h[k-1] - r[k-1]
+    mlp_skips_attn: bool  # the MLP reads h[k-1], not h[k-1] + a[k]
+    is_moe: bool
+
+
+def _add(x: torch.Tensor, handle: Optional[Handle]) -> torch.Tensor:
+    return x if handle is None else x + handle.wait()
+
+
+class FarSkipDeepseekV2Model(DeepseekV2Model):
+    """Upstream's model with the FarSkip forward. Set up by `FarSkipDeepseekV3ForCausalLM`."""
+
+    wiring: list[LayerWiring]
+    comm: Communicator
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        zero_allocator = BumpAllocator(
+            buffer_size=len(self.layers) * 2, dtype=torch.float32, device=positions.device
+        )
+        pend_a = pend_r = None
+        for k, layer in enumerate(self.layers):
+            with get_global_expert_distribution_recorder().with_current_layer(k):
+                x, pend_a, pend_r = self._layer(
+                    layer, self.wiring[k], x, pend_a, pend_r, positions, forward_batch, zero_allocator
+                )
+        x = _add(_add(x, pend_a), pend_r)  # the final norm reads the full h[L-1]
+        if forward_batch.forward_mode.is_idle():
+            return x
+        return self.norm(x)
+
+    def _layer(self, layer, w: LayerWiring, x, pend_a, pend_r, positions, forward_batch, zero_allocator):
+        x = _add(x, pend_a)  # x = h[k-1] - r[k-1]
+        if not w.attn_skips_prev_routed:
+            x, pend_r = _add(x, pend_r), None  # x = h[k-1]
+        a = _attention(layer, layer.input_layernorm(x), positions, forward_batch, zero_allocator)
+
+        x, pend_r = _add(x, pend_r), None  # x = h[k-1]
+        if not w.mlp_skips_attn:
+            x, a = x + self.comm.start_all_reduce(a).wait(), None  # x = h[k-1] + a
+        y = layer.post_attention_layernorm(x)
+
+        if not w.is_moe:  # a dense MLP's output rides the attention lane (r = 0)
+            s = layer.mlp(y, forward_batch)
+            return x, self.comm.start_all_reduce(s if a is None else a + s), None
+
+        s = layer.mlp._forward_shared_experts(y) if layer.mlp.shared_experts is not None else None
+        if s is None:  # no shared expert, or an empty batch: ranks still issue the same collectives
+            s = torch.zeros_like(y)
+        pend_a = self.comm.start_all_reduce(s if a is None else a + s)
+        r = _routed_experts(layer.mlp, y)
+        return x, pend_a, self.comm.start_all_reduce(r)
+
+
+def _attention(layer, h, positions, forward_batch, zero_allocator) -> torch.Tensor:
+    """Upstream MLA (prefill or decode path, picked by the attention backend) -> o_proj partial."""
+    ctx = get_attn_tp_context()
+    # The boundary framework normally publishes the attention input for the lazy QKV GEMM.
+    ctx.set_attn_inputs(AttentionInputs(h, forward_batch, layer.self_attn.prepare_qkv_latent))
+    try:
+        out = layer.self_attn(
+            positions=positions,
+            hidden_states=h,
+            forward_batch=forward_batch,
+            zero_allocator=zero_allocator,
+        )
+    finally:
+        ctx.clear_attn_inputs()
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _routed_experts(moe: DeepseekV2MoE, y: torch.Tensor) -> torch.Tensor:
+    """Routed-expert partial with routed_scaling_factor applied, shared experts excluded."""
+    # forward_normal, not forward: the dual-stream variant ignores skip_shared_experts.
+    out = moe.forward_normal(y, skip_shared_experts=True, return_moe_output=True)
+    return out._replace(shared=None).get_merged()
+
+
+def _mode_from_config(config) -> FarSkipMode:
+    return FarSkipMode.parse(getattr(config, "farskip_mode", None) or FarSkipMode.OVERLAP.value)
+
+
+class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
+    """Registered under the architecture name "DeepseekV3ForCausalLM" (SGLang's MLA detection
+    keys on that name). With `"farskip": false` in config.json, or `--farskip-mode off`, it is
+    upstream's class unchanged."""
+
+    @classmethod
+    def _farskip_active(cls, hf_config) -> bool:
+        return (
+            FarSkipConfig.from_hf_config(hf_config).enabled
+            and _mode_from_config(hf_config) is not FarSkipMode.OFF
+        )
+
+    @classmethod
+    def shared_experts_fusion_disable_reason(cls, hf_config, quant_config):
+        if cls._farskip_active(hf_config):
+            return "FarSkip reduces shared experts apart from routed experts."
+        return super().shared_experts_fusion_disable_reason(hf_config, quant_config)
+
+    def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+        farskip = FarSkipConfig.from_hf_config(config)
+        farskip.check_layers(config.num_hidden_layers)
+        requested = _mode_from_config(config)
+        active = farskip.enabled and requested is not FarSkipMode.OFF
+        if active:
+            _check_server_args()
+        super().__init__(config, quant_config, prefix)
+
+        parallel = get_parallel()
+        effective = requested if farskip.enabled else FarSkipMode.OFF
+        comm_backend = "sglang"
+        if active:
+            self.model.__class__ = FarSkipDeepseekV2Model
+            self.model.wiring = [
+                LayerWiring(
+                    attn_skips_prev_routed=farskip.attn_skips_prev_routed(k),
+                    mlp_skips_attn=farskip.mlp_skips_attn(k),
+                    is_moe=is_moe_layer(config, k),
+                )
+                for k in range(config.num_hidden_layers)
+            ]
+            _check_layers(self.model.layers, self.model.wiring)
+            group = _single_reduction_group(parallel)
+            asynchronous = requested is FarSkipMode.OVERLAP
+            if asynchronous and not _async_supported(group):
+                logger.warning(
+                    "FarSkip overlap: no asynchronous all-reduce for this device yet; running "
+                    "the FarSkip wiring with blocking all-reduce (sync mode)"
+                )
+                asynchronous, effective = False, FarSkipMode.SYNC
+            self.model.comm = Communicator(group, asynchronous=asynchronous)
+            comm_backend = self.model.comm.backend
+        elif farskip.enabled:
+            logger.warning(
+                "--farskip-mode off: stock DeepSeek-V3 wiring on FarSkip weights. The outputs "
+                "are NOT the model's; use this only for A/B timing."
+            )
+
+        report = {
+            "model_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "inner_model_class": f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            "farskip": farskip.to_hf_keys(),
+            "requested_mode": requested.value,
+            "mode": effective.value,
+            "converted_layers": farskip.converted_layers(config.num_hidden_layers)
+            if active
+            else [],
+            "num_layers": config.num_hidden_layers,
+            "description": farskip.describe(config.num_hidden_layers) if active else
+            "stock DeepSeek-V3 wiring",
+            "comm_backend": comm_backend,
+            "tp_rank": parallel.tp_rank,
+            "tp_size": parallel.tp_size,
+            "moe_ep_size": parallel.moe_ep_size,
+            "pid": os.getpid(),
+            "sglang_version": SGLANG_VERSION,
+        }
+        write_rank_status(report)
+        if parallel.tp_rank == 0:
+            logger.info(
+                "sglang_farskip: %s, mode %s (requested %s), all-reduce %s",
+                report["description"], effective.value, requested.value, comm_backend,
+            )
+
+
+def _check_server_args() -> None:
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    problems = unsupported(resolving_view(get_server_args()))
+    if problems:
+        raise FarSkipConfigError(
+            "FarSkip cannot run with these settings:\n  " + "\n  ".join(problems)
+        )
+
+
+def _single_reduction_group(parallel):
+    """FarSkip adds the attention partial to the shared-expert partial and reduces both at
+    once; that is only a valid sum if attention and MoE reduce over the same group."""
+    from sglang.srt.layers.moe.utils import post_experts_reduction_group
+
+    group = parallel.tp_group
+    for name, other in (
+        ("attention TP", parallel.attn_tp_group),
+        ("MoE output", post_experts_reduction_group()),
+    ):
+        if other.world_size != group.world_size:
+            raise FarSkipConfigError(
+                f"FarSkip needs the {name} reduction over the whole TP group "
+                f"({other.world_size} != {group.world_size} ranks): use --ep-size equal to "
+                f"--tp-size or 1, and no --moe-dense-tp-size"
+            )
+    return group
+
+
+def _async_supported(group) -> bool:
+    return group.world_size == 1 or Communicator._supports_async(group)
+
+
+def _check_layers(layers, wiring: list[LayerWiring]) -> None:
+    for k, (layer, w) in enumerate(zip(layers, wiring)):
+        if w.is_moe != isinstance(layer.mlp, DeepseekV2MoE):
+            raise FarSkipConfigError(f"layer {k}: config and SGLang disagree on MoE vs dense")
+        if w.is_moe and layer.mlp.num_fused_shared_experts:
+            raise FarSkipConfigError(
+                f"layer {k}: shared experts are fused into the routed kernel; FarSkip needs them "
+                "separate: pass --disable-shared-experts-fusion"
+            )
+        if w.is_moe and getattr(layer.mlp, "_shared_expert_tp1", False):
+            raise FarSkipConfigError(
+                f"layer {k}: replicated (TP1) shared experts would be summed tp_size times on "
+                "FarSkip's attention lane: unset SGLANG_SHARED_EXPERT_TP1"
+            )

@@ -1,0 +1,36 @@
+"""What is really running, reported by each model rank and read by the launcher.
+
+SGLang builds the model in spawned scheduler processes and its registry swallows import
+errors, so the launcher cannot trust what it asked for. Each rank's model writes one JSON file
+into the directory named by SGLANG_FARSKIP_STATUS_DIR (set by the launcher, inherited by every
+child); the launcher serves them at GET /farskip/info and refuses to run without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+ENV = "SGLANG_FARSKIP_STATUS_DIR"
+
+
+def write_rank_status(report: dict) -> Path | None:
+    directory = os.environ.get(ENV)
+    if not directory:
+        return None
+    path = Path(directory) / f"rank{report['tp_rank']}.json"
+    # Write-then-rename: the launcher never reads half a file.
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(report, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def read_rank_statuses(directory: str | Path) -> list[dict]:
+    reports = []
+    for path in sorted(Path(directory).glob("rank*.json")):
+        reports.append(json.loads(path.read_text()))
+    return sorted(reports, key=lambda r: r["tp_rank"])
