@@ -21,14 +21,21 @@ logger = logging.getLogger("sglang_farskip.plugin")
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
 
-def register() -> None:
-    from sglang.srt.models.registry import ModelRegistry
-
+def register_cpu_support() -> None:
+    """Entry point `farskip_cpu`: only the CPU fixes (also what stock-SGLang A/B runs use)."""
     from sglang_farskip.cpu_support import apply_cpu_fixes, is_cpu_run
-    from sglang_farskip.models.deepseek_v3 import FarSkipDeepseekV3ForCausalLM
 
     if is_cpu_run():
         apply_cpu_fixes()
+
+
+def register() -> None:
+    """Entry point `farskip`: the CPU fixes and the FarSkip model class."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    from sglang_farskip.models.deepseek_v3 import FarSkipDeepseekV3ForCausalLM
+
+    register_cpu_support()
     ModelRegistry.models[ARCHITECTURE] = FarSkipDeepseekV3ForCausalLM
     logger.info("sglang_farskip: %s -> %s", ARCHITECTURE, FarSkipDeepseekV3ForCausalLM.__qualname__)
 

@@ -1,0 +1,303 @@
+"""`python -m sglang_farskip.launch_server [--farskip-mode overlap|sync|off] [SGLang flags...]`
+
+Every SGLang flag passes through. What this adds to `python -m sglang.launch_server`:
+- no --model-path: build (once, cached) the tiny FarSkip demo checkpoint and serve it;
+- no GPU, or --device cpu: the CPU environment and defaults SGLang needs, set here;
+- the checkpoint and flags are checked before anything starts: clear errors, exit code 2;
+- FarSkip mode reaches every worker as the config key `farskip_mode`;
+- after start-up, each rank's report of what it really built is checked, logged and served at
+  GET /farskip/info; a server whose workers did not load the plugin is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, FarSkipMode
+
+logger = logging.getLogger("sglang_farskip.launch")
+
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+ENV_STATUS = "SGLANG_FARSKIP_STATUS_DIR"
+
+
+class LaunchError(Exception):
+    """A problem with the user's input: printed as one `error:` line, exit code 2."""
+
+
+# ---------------------------------------------------------------- argv helpers
+def _flag_value(argv: list[str], *names: str) -> str | None:
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def _has_flag(argv: list[str], *names: str) -> bool:
+    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+
+
+def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--farskip-mode", choices=[m.value for m in FarSkipMode], default=None)
+    parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0)
+    return parser.parse_known_args(argv)
+
+
+# ---------------------------------------------------------------- checks before launch
+def read_checkpoint_config(model_path: str) -> dict:
+    path = Path(model_path)
+    if not path.exists():
+        raise LaunchError(
+            f"model path {model_path!r} does not exist: pass a local checkpoint directory "
+            "(download it first), or omit --model-path to serve the built-in demo model"
+        )
+    if not path.is_dir():
+        raise LaunchError(f"model path {model_path!r} is not a directory: pass the checkpoint directory")
+    config_file = path / "config.json"
+    try:
+        text = config_file.read_text()
+    except FileNotFoundError:
+        raise LaunchError(f"{config_file} is missing: {model_path!r} is not a Hugging Face checkpoint") from None
+    except OSError as e:
+        raise LaunchError(f"cannot read {config_file}: {e.strerror}; fix its permissions") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LaunchError(f"{config_file} is not valid JSON ({e}); fix or re-download it") from None
+    if not isinstance(config, dict):
+        raise LaunchError(f"{config_file} must hold a JSON object")
+    return config
+
+
+def check_farskip(config: dict, model_path: str) -> FarSkipConfig:
+    try:
+        farskip = FarSkipConfig.from_hf_config(config)
+    except FarSkipConfigError as e:
+        raise LaunchError(f"{model_path}/config.json: {e}") from None
+    if not farskip.enabled:
+        return farskip
+    archs = config.get("architectures") or []
+    if DEEPSEEK_V3 not in archs:
+        raise LaunchError(
+            f"{model_path}/config.json sets \"farskip\": true but the architecture is {archs}: "
+            f"FarSkip is implemented for {DEEPSEEK_V3} only; remove the farskip keys or use a "
+            "DeepSeek-V3 checkpoint"
+        )
+    try:
+        farskip.check_layers(int(config.get("num_hidden_layers", 0)))
+    except FarSkipConfigError as e:
+        raise LaunchError(f"{model_path}/config.json: {e}") from None
+    return farskip
+
+
+def _gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cpu_setup(argv: list[str]) -> list[str]:
+    from sglang_farskip.cpu_support import cpu_default_args, cpu_environment
+
+    tp = int(_flag_value(argv, "--tp-size", "--tp", "--tensor-parallel-size") or 1)
+    nnodes = int(_flag_value(argv, "--nnodes") or 1)
+    env = cpu_environment(ranks_on_this_node=max(1, tp // nnodes), cores=os.cpu_count() or 1)
+    for key, value in env.items():
+        if key in os.environ and os.environ[key] != value:
+            logger.info("keeping %s=%s from the environment", key, os.environ[key])
+        os.environ.setdefault(key, value)
+    for flag, value in cpu_default_args():
+        if not _has_flag(argv, flag):
+            argv = argv + [flag, value]
+    return argv
+
+
+def _check_stand_in() -> None:
+    from sglang_farskip.cpu_support import stand_in_kernels
+
+    try:
+        import sgl_kernel  # noqa: F401
+    except ImportError:
+        raise LaunchError(
+            "sgl_kernel is not importable and the CPU stand-in is not installed: "
+            "run scripts/bootstrap.sh (it installs python/cpu_shim)"
+        ) from None
+    if stand_in_kernels():
+        logger.info("CPU run: sgl_kernel is sglang_farskip's stand-in (raises if any kernel is called)")
+
+
+# ---------------------------------------------------------------- after launch
+def _wait_ready_and_verify(base_url: str, status_dir: str, ranks: int, timeout: float,
+                           curl_hint: str) -> None:
+    """Runs in a thread beside the server: once it answers, every local rank must have
+    reported the FarSkip class; otherwise the server is stopped (the plugin did not load)."""
+    from sglang_farskip.status import read_rank_statuses
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        time.sleep(1)
+    else:
+        return  # SGLang reports its own start-up failures; nothing to verify
+    reports = read_rank_statuses(status_dir)
+    if len(reports) < ranks:
+        logger.error(
+            "the server is up but %d of %d ranks reported a FarSkip model: SGLang built another "
+            "class (its plugin loader logs and swallows errors; look for 'Failed to execute "
+            "general plugin' above). Stopping.", len(reports), ranks,
+        )
+        _stop_server()
+        return
+    first = reports[0]
+    logger.info(
+        "running %s on %d rank(s): %s; mode %s (requested %s); all-reduce %s",
+        first["model_class"], len(reports), first["description"], first["mode"],
+        first["requested_mode"], first["comm_backend"],
+    )
+    print(f"\nServer ready at {base_url}. Try:\n  {curl_hint}\n", flush=True)
+
+
+def _stop_server() -> None:
+    from sglang.srt.utils import kill_process_tree
+
+    kill_process_tree(os.getpid(), include_parent=True)
+
+
+def _add_info_route(status_dir: str, launch_info: dict) -> None:
+    from sglang.srt.entrypoints.http_server import app
+
+    from sglang_farskip.status import read_rank_statuses
+
+    @app.get("/farskip/info")
+    async def farskip_info():
+        return {"launcher": launch_info, "ranks": read_rank_statuses(status_dir)}
+
+
+# ---------------------------------------------------------------- main
+def prepare(argv: list[str]) -> tuple[object, dict]:
+    """Everything before the server starts; raises LaunchError on bad input."""
+    own, argv = _split_own_flags(argv)
+    demo = not _has_flag(argv, "--model-path", "--model")
+    on_cpu = (_flag_value(argv, "--device") or ("cuda" if _gpu_present() else "cpu")) == "cpu"
+    if demo:
+        from sglang_farskip.demo_model import ensure_demo_checkpoint
+
+        path = ensure_demo_checkpoint()
+        logger.info("no --model-path: serving the built-in tiny FarSkip model from %s", path)
+        argv = ["--model-path", str(path)] + argv
+    model_path = _flag_value(argv, "--model-path", "--model")
+    config = read_checkpoint_config(model_path)
+    farskip = check_farskip(config, model_path)
+    mode = FarSkipMode.parse(own.farskip_mode or FarSkipMode.OVERLAP.value)
+    if own.farskip_mode and not farskip.enabled:
+        logger.warning("--farskip-mode %s has no effect: %s is not a FarSkip checkpoint",
+                       own.farskip_mode, model_path)
+    if on_cpu:
+        argv = _cpu_setup(argv)
+        _check_stand_in()
+
+    status_dir = tempfile.mkdtemp(prefix="sglang-farskip-status-")
+    os.environ[ENV_STATUS] = status_dir
+
+    # Imported only now: SGLang reads the CPU environment at import time.
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_farskip.compat import unsupported
+    from sglang_farskip.models.deepseek_v3 import FarSkipDeepseekV3ForCausalLM
+    from sglang_farskip.plugin import registered_class
+
+    load_plugins()
+    if registered_class() is not FarSkipDeepseekV3ForCausalLM:
+        raise LaunchError(
+            "the sglang_farskip plugin did not register (SGLang swallowed the error; see the "
+            "log above): reinstall with scripts/bootstrap.sh or `pip install --no-deps -e .`"
+        )
+    try:
+        server_args = prepare_server_args(argv)
+    except SystemExit as e:  # argparse already printed the problem
+        raise LaunchError(f"invalid SGLang arguments (exit {e.code}); see the message above") from None
+    overrides = server_args.json_model_override_args
+    if isinstance(overrides, str):
+        overrides = json.loads(overrides or "{}")
+    # SGLang keeps this flag as a JSON string and parses it in every process.
+    server_args.json_model_override_args = json.dumps({**(overrides or {}), "farskip_mode": mode.value})
+    try:
+        server_args.resolve_once()
+    except (ValueError, AssertionError) as e:
+        raise LaunchError(f"SGLang rejected the arguments: {e}") from None
+    resolved = resolving_view(server_args)
+    if farskip.enabled and mode is not FarSkipMode.OFF:
+        problems = unsupported(resolved)
+        if problems:
+            raise LaunchError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
+    launch_info = {
+        "model_path": model_path,
+        "demo": demo,
+        "device": "cpu" if on_cpu else resolved.device,
+        "farskip": farskip.to_hf_keys(),
+        "requested_mode": mode.value if farskip.enabled else "off",
+        "tp_size": resolved.tp_size,
+        "ep_size": resolved.ep_size,
+        "nnodes": resolved.nnodes,
+        "node_rank": resolved.node_rank,
+        "ready_timeout_s": own.farskip_ready_timeout,
+    }
+    return server_args, launch_info
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
+    try:
+        server_args, info = prepare(list(sys.argv[1:] if argv is None else argv))
+    except (LaunchError, FarSkipConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.utils import kill_process_tree
+
+    resolved = resolving_view(server_args)
+    status_dir = os.environ[ENV_STATUS]
+    _add_info_route(status_dir, info)
+    if info["node_rank"] == 0:
+        host = "127.0.0.1" if resolved.host in ("0.0.0.0", "::") else resolved.host
+        base_url = f"http://{host}:{resolved.port}"
+        payload = json.dumps({"prompt": "The capital of France is", "max_tokens": 16,
+                              "temperature": 0, "stream": True})
+        curl = f"curl -N {base_url}/v1/completions -H 'Content-Type: application/json' -d '{payload}'"
+        ranks_here = max(1, info["tp_size"] // max(1, info["nnodes"]))
+        threading.Thread(
+            target=_wait_ready_and_verify,
+            args=(base_url, status_dir, ranks_here, info["ready_timeout_s"], curl),
+            daemon=True,
+        ).start()
+    try:
+        launch_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Create .venv at the repository root (if missing) and install everything, pinned:
+# torch 2.14.1, sglang 0.5.23 (--no-deps: its declared deps are CUDA kernels), the CPU
+# dependency set in requirements/cpu.txt, this package (editable), and the sgl_kernel CPU
+# stand-in. Idempotent: a stamp of the inputs skips work that is already done.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+python="${PYTHON:-python3}"
+
+stamp_inputs() {
+  cat "$root/requirements/cpu.txt" "$root/requirements/tools.txt" "$root/pyproject.toml" \
+    "$root/scripts/bootstrap.sh"
+  echo "$root"
+}
+want="$(stamp_inputs | sha256sum | cut -d' ' -f1)"
+if [ -f "$venv/.farskip-stamp" ] && [ "$(cat "$venv/.farskip-stamp")" = "$want" ]; then
+  exit 0
+fi
+
+if ! "$python" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 10))'; then
+  echo "error: $python is older than Python 3.10; set PYTHON=python3.11" >&2
+  exit 2
+fi
+echo "== installing into $venv (first run takes a few minutes)" >&2
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input)
+"${pip[@]}" install -q --upgrade pip
+"${pip[@]}" install -q torch==2.14.1 torchvision==0.29.1
+"${pip[@]}" install -q --no-deps sglang==0.5.23
+# pip reports SGLang's uninstalled CUDA-only requirements as conflicts: expected on CPU.
+"${pip[@]}" install -q -r "$root/requirements/cpu.txt" 2>&1 | grep -v "^sglang 0.5.23 requires\|dependency resolver does not" || true
+# Tools: no --no-deps, but the constraint keeps them off SGLang's pins.
+"${pip[@]}" install -q -r "$root/requirements/tools.txt" -c "$root/requirements/cpu.txt" 2>&1 \
+  | grep -v "^sglang 0.5.23 requires\|dependency resolver does not" || true
+"${pip[@]}" install -q --no-deps -e "$root"
+
+# The stand-in goes *after* site-packages on sys.path, so a real sgl_kernel always wins.
+site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo "$root/python/cpu_shim" > "$site/zz_sglang_farskip_cpu_shim.pth"
+
+"$venv/bin/python" - <<'PY'
+import importlib.metadata as md, sys
+v = md.version("sglang")
+if v != "0.5.23":
+    sys.exit(f"error: sglang {v} installed, sglang_farskip is pinned to 0.5.23")
+import torch, transformers, sglang_farskip  # noqa: F401
+PY
+echo "$want" > "$venv/.farskip-stamp"
+echo "== installed" >&2
