@@ -28,11 +28,25 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input)
 "${pip[@]}" install -q --upgrade pip
 "${pip[@]}" install -q torch==2.14.1 torchvision==0.29.1
 "${pip[@]}" install -q --no-deps sglang==0.5.23
-# pip reports SGLang's uninstalled CUDA-only requirements as conflicts: expected on CPU.
-"${pip[@]}" install -q -r "$root/requirements/cpu.txt" 2>&1 | grep -v "^sglang 0.5.23 requires\|dependency resolver does not" || true
+# pip reports SGLang's uninstalled CUDA-only requirements as conflicts: expected on CPU,
+# filtered from the output; any real failure still stops the script with pip's full log.
+pip_install() {
+  local log
+  log="$(mktemp)"
+  if ! "${pip[@]}" install -q "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    echo "error: pip install $* failed (log above)" >&2
+    exit 1
+  fi
+  grep -v "^sglang 0.5.23 requires\|dependency resolver does not\|^WARNING: Location" "$log" >&2 || true
+  rm -f "$log"
+}
+pip_install -r "$root/requirements/cpu.txt"
 # Tools: no --no-deps, but the constraint keeps them off SGLang's pins.
-"${pip[@]}" install -q -r "$root/requirements/tools.txt" -c "$root/requirements/cpu.txt" 2>&1 \
-  | grep -v "^sglang 0.5.23 requires\|dependency resolver does not" || true
+if grep -q '^[^#[:space:]]' "$root/requirements/tools.txt"; then
+  pip_install -r "$root/requirements/tools.txt" -c "$root/requirements/cpu.txt"
+fi
 "${pip[@]}" install -q --no-deps -e "$root"
 
 # The stand-in goes *after* site-packages on sys.path, so a real sgl_kernel always wins.

@@ -1,0 +1,104 @@
+"""Start real servers for tests: `python -m sglang_farskip.launch_server` (or stock SGLang) in
+a subprocess on a free port, wait until it answers, and always kill its whole process tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 240  # a CPU start is 25-45 s here; CI machines are slower when busy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], *, stock: bool = False, env: dict | None = None,
+                 log_path: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        module = "sglang.launch_server" if stock else "sglang_farskip.launch_server"
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        full_env = {**os.environ, **(env or {})}
+        if stock:
+            # Stock SGLang on CPU: SGLang's own launcher, only our CPU-fix plugin, the same
+            # environment our launcher would set.
+            full_env.setdefault("SGLANG_PLUGINS", "farskip_cpu")
+            full_env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+            full_env.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
+            full_env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "0")
+        self.log_path = log_path or Path(f"/tmp/farskip-test-server-{self.port}.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+            start_new_session=True, cwd=REPO,
+        )
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                    if r.status == 200:
+                        return self
+            except (OSError, urllib.error.HTTPError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(line for line in lines[-n:] if "Ignore import error" not in line)
+
+    def post(self, path: str, payload: dict, timeout: float = 120) -> dict:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def get(self, path: str, timeout: float = 30) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def generate(self, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy tokens and the logprob of each chosen token, through SGLang's /generate."""
+        out = self.post("/generate", {
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                "ignore_eos": True},
+            "return_logprob": True,
+        })
+        pairs = out["meta_info"]["output_token_logprobs"]  # [(logprob, token_id, text), ...]
+        return [p[1] for p in pairs], [p[0] for p in pairs]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
