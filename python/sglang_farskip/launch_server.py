@@ -50,7 +50,7 @@ def _has_flag(argv: list[str], *names: str) -> bool:
 
 
 def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(prog="sglang_farskip.launch_server", add_help=False, allow_abbrev=False)
     parser.add_argument("--farskip-mode", choices=[m.value for m in FarSkipMode], default=None)
     parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0)
     return parser.parse_known_args(argv)

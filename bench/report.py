@@ -1,0 +1,145 @@
+"""Write a run's outputs: results.json (everything), results.csv (one row per label and level),
+ab_ratios.csv (A/B only), ttft.png and itl.png, and report.md that ties them together."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import plots
+
+CLIENT_COLUMNS = [
+    f"{m}_{k}" for m in ("ttft", "itl", "tpot", "e2e")
+    for k in ("mean_ms", "p50_ms", "p90_ms", "p95_ms", "p99_ms") + (("max_ms",) if m == "itl" else ())
+]
+SERVER_COLUMNS = [f"server_{m}_{k}" for m in ("ttft", "itl", "e2e") for k in ("count", "mean_ms", "p50_ms", "p99_ms")]
+CSV_COLUMNS = ["label", "concurrency", "requests", "completed", "failed", "duration_s",
+               "request_throughput", "output_throughput", *CLIENT_COLUMNS, *SERVER_COLUMNS]
+# What an A/B ratio table compares (A / B: below 1 means A is faster, except throughput).
+RATIO_KEYS = [("ttft", "p50_ms"), ("ttft", "p90_ms"), ("ttft", "p99_ms"), ("itl", "p50_ms"),
+              ("itl", "p90_ms"), ("itl", "p99_ms"), ("tpot", "p50_ms"), ("e2e", "p50_ms")]
+
+
+def csv_row(level: dict) -> dict:
+    s = level["client"]
+    row = {"label": level["label"], "concurrency": level["concurrency"]}
+    for key in ("requests", "completed", "failed", "duration_s", "request_throughput", "output_throughput"):
+        row[key] = s[key]
+    for col in CLIENT_COLUMNS:
+        metric, stat = col.split("_", 1)
+        row[col] = s[metric][stat]
+    server = level.get("server") or {}
+    for col in SERVER_COLUMNS:
+        _, metric, stat = col.split("_", 2)
+        row[col] = (server.get(metric) or {}).get(stat)
+    return row
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def ab_ratios(levels: list[dict], a: str, b: str) -> list[dict]:
+    by_key = {(lv["label"], lv["concurrency"]): lv["client"] for lv in levels}
+    rows = []
+    for c in sorted({lv["concurrency"] for lv in levels}):
+        sa, sb = by_key.get((a, c)), by_key.get((b, c))
+        if sa is None or sb is None:
+            continue  # a saved run without this level: nothing to compare
+        row = {"concurrency": c}
+        for metric, stat in RATIO_KEYS:
+            row[f"{metric}_{stat.removesuffix('_ms')}"] = _ratio(sa[metric][stat], sb[metric][stat])
+        row["output_throughput"] = _ratio(sa["output_throughput"], sb["output_throughput"])
+        rows.append(row)
+    return rows
+
+
+def _fmt(v, digits=1):
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def _client_table(levels: list[dict]) -> list[str]:
+    lines = ["| label | conc | done/failed | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 / max ms | TPOT p50 ms | E2E p50 ms |",
+             "|---|---:|---:|---:|---|---|---:|---:|"]
+    for lv in levels:
+        s = lv["client"]
+        t, i = s["ttft"], s["itl"]
+        lines.append(
+            f"| {lv['label']} | {lv['concurrency']} | {s['completed']}/{s['failed']} | {_fmt(s['output_throughput'])} "
+            f"| {_fmt(t['p50_ms'])} / {_fmt(t['p90_ms'])} / {_fmt(t['p99_ms'])} "
+            f"| {_fmt(i['p50_ms'])} / {_fmt(i['p90_ms'])} / {_fmt(i['p99_ms'])} / {_fmt(i['max_ms'])} "
+            f"| {_fmt(s['tpot']['p50_ms'])} | {_fmt(s['e2e']['p50_ms'])} |")
+    return lines
+
+
+def _server_table(levels: list[dict]) -> list[str]:
+    if not any(lv.get("server") for lv in levels):
+        return ["Server histograms: not available (start the servers with `--enable-metrics`)."]
+    lines = ["Server-side `/metrics` histograms over the same interval (mean exact; p50 interpolated "
+             "inside histogram buckets, so only as fine as the buckets):", "",
+             "| label | conc | TTFT mean / p50 ms (client p50) | ITL mean / p50 ms (client mean / p50) | E2E mean ms (client mean) |",
+             "|---|---:|---|---|---|"]
+    for lv in levels:
+        sv, s = lv.get("server"), lv["client"]
+        if not sv:
+            lines.append(f"| {lv['label']} | {lv['concurrency']} | - | - | - |")
+            continue
+        lines.append(
+            f"| {lv['label']} | {lv['concurrency']} "
+            f"| {_fmt(sv['ttft']['mean_ms'])} / {_fmt(sv['ttft']['p50_ms'])} ({_fmt(s['ttft']['p50_ms'])}) "
+            f"| {_fmt(sv['itl']['mean_ms'])} / {_fmt(sv['itl']['p50_ms'])} ({_fmt(s['itl']['mean_ms'])} / {_fmt(s['itl']['p50_ms'])}) "
+            f"| {_fmt(sv['e2e']['mean_ms'])} ({_fmt(s['e2e']['mean_ms'])}) |")
+    return lines
+
+
+def _ratio_table(ab: dict) -> list[str]:
+    keys = [f"{m}_{s.removesuffix('_ms')}" for m, s in RATIO_KEYS] + ["output_throughput"]
+    lines = [f"Ratios {ab['a']} / {ab['b']} (below 1: {ab['a']} is faster; for output_throughput, above 1 is better):",
+             "", "| conc | " + " | ".join(keys) + " |", "|---:|" + "---:|" * len(keys)]
+    for row in ab["ratios"]:
+        lines.append(f"| {row['concurrency']} | " + " | ".join(_fmt(row[k], 3) for k in keys) + " |")
+    return lines
+
+
+def write_all(results: dict, out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    levels = results["levels"]
+    paths = {"json": out / "results.json", "csv": out / "results.csv", "report": out / "report.md"}
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for lv in levels:
+            w.writerow(csv_row(lv))
+    if results.get("ab"):
+        paths["ab_csv"] = out / "ab_ratios.csv"
+        with open(paths["ab_csv"], "w", newline="") as f:
+            rows = results["ab"]["ratios"]
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["concurrency"])
+            w.writeheader()
+            w.writerows(rows)
+    series: dict[str, list] = {}
+    for lv in levels:
+        series.setdefault(lv["label"], []).append((lv["concurrency"], lv["client"]))
+    subtitle = results.get("workload_line", "")
+    for metric in ("ttft", "itl"):
+        paths[metric] = plots.plot_percentiles(series, metric, out / f"{metric}.png", subtitle)
+    paths["json"].write_text(json.dumps(results, indent=1) + "\n")
+
+    md = [f"# {results.get('title') or 'Load test'}", "", results["note"], "",
+          "Client-side latencies are computed from every request's raw samples "
+          "(`requests/*.jsonl`), with the definitions of `sglang.benchmark.serving`.", ""]
+    md += _client_table(levels) + [""]
+    if results.get("ab"):
+        md += _ratio_table(results["ab"]) + [""]
+    md += _server_table(levels) + [""]
+    md += ["![TTFT percentiles against concurrency](ttft.png)", "",
+           "![ITL percentiles against concurrency](itl.png)", ""]
+    errors = [(lv["label"], lv["concurrency"], lv["client"]["first_error"]) for lv in levels if lv["client"]["failed"]]
+    if errors:
+        md += ["Failures (first error of each level):", ""]
+        md += [f"- {label} c={c}: {err}" for label, c, err in errors] + [""]
+    paths["report"].write_text("\n".join(md))
+    return paths

@@ -1,0 +1,318 @@
+#!/usr/bin/env bash
+# The one launcher of sglang-farskip on a node, used by every way of deploying it: the
+# images' ENTRYPOINT (so docker compose), the Kubernetes LeaderWorkerSet and the Slurm batch
+# script. It reads the environment, checks it, sets the network and timeout variables that
+# multi-node runs need, and execs `python -m sglang_farskip.launch_server` with EP16/TP16
+# DeepSeek-V3 defaults for two nodes.
+#
+#   entrypoint.sh [--check] [SGLang flags...]
+#
+# --check (or FARSKIP_DRY_RUN=1): validate and print the command, do not start anything.
+# Any other argument is passed to SGLang after the generated flags (a repeated flag wins).
+# A bad setting prints one `error: ...` line per problem and exits with status 2.
+# docs/deploy.md documents every variable below.
+set -euo pipefail
+
+# Every variable this script reads from the environment. docs/deploy.md documents each one,
+# deploy/node0.env and deploy/node1.env list each one, deploy/compose.yaml passes each one;
+# tests/test_deploy_static.py checks all three against this list.
+FARSKIP_ENV_VARS=(
+  NODE_RANK NNODES MASTER_ADDR MASTER_PORT
+  MODEL_PATH TP_SIZE EP_SIZE FARSKIP_MODE HTTP_PORT
+  NET_IFNAME GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP
+  DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING
+  EXTRA_ARGS FARSKIP_PLATFORM FARSKIP_PYTHON FARSKIP_DRY_RUN
+)
+
+usage() {
+  sed -n '2,13s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+  echo "Variables read: ${FARSKIP_ENV_VARS[*]}"
+}
+
+dry_run="${FARSKIP_DRY_RUN:-0}"
+case "${1:-}" in
+  --check) dry_run=1; shift ;;
+  -h | --help) usage; exit 0 ;;
+esac
+
+# ---------------------------------------------------------------- defaults
+# Literal defaults, one per line in this form: the tests compare them with the env files and
+# the docs. An empty value counts as unset (compose passes unset variables as empty).
+: "${NNODES:=2}"
+: "${MASTER_PORT:=50000}"
+: "${TP_SIZE:=16}"
+: "${EP_SIZE:=16}"
+: "${FARSKIP_MODE:=overlap}"
+: "${HTTP_PORT:=30000}"
+# Bounds every collective, including the rendezvous: a peer that never arrives, dies or loses
+# its link makes the other node fail after about this long instead of hanging (gloo's own
+# default is 30 min). It must exceed the start-up skew between the nodes: the first collective
+# after weight loading waits for the slower node, and a cold page cache on one node can make
+# it minutes slower to read ~340 GB of DeepSeek-V3 weights.
+: "${DIST_TIMEOUT:=300}"
+# NCCL/RCCL print nothing on failure at their default level; WARN names the failing peer.
+: "${NCCL_DEBUG:=WARN}"
+# On a collective timeout the NCCL watchdog aborts the communicators and ends the process, so a
+# dead peer makes this node exit too. (TORCH_NCCL_BLOCKING_WAIT is deliberately not set: it
+# makes every wait block the CPU, which serialises the communication FarSkip overlaps.)
+: "${TORCH_NCCL_ASYNC_ERROR_HANDLING:=1}"
+: "${FARSKIP_PYTHON:=python3}"
+: "${GLOO_SOCKET_IFNAME:=${NET_IFNAME:-}}"
+: "${NCCL_SOCKET_IFNAME:=${NET_IFNAME:-}}"
+
+errors=()
+err() { errors+=("$*"); }
+
+is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+is_port() { is_uint "$1" && ((10#$1 >= 1 && 10#$1 <= 65535)); }
+interfaces() {
+  local path names=()
+  for path in /sys/class/net/*; do names+=("${path##*/}"); done
+  echo "${names[*]}"
+}
+
+# ---------------------------------------------------------------- checks
+for var in NNODES TP_SIZE EP_SIZE DIST_TIMEOUT; do
+  value="${!var}"
+  if ! is_uint "$value" || ((10#$value < 1)); then
+    err "$var=$value is not a positive integer: set $var to a whole number such as 16"
+  fi
+done
+for var in MASTER_PORT HTTP_PORT; do
+  if ! is_port "${!var}"; then
+    err "$var=${!var} is not a TCP port: set $var to a number from 1 to 65535"
+  fi
+done
+
+if [[ -z "${NODE_RANK:-}" ]]; then
+  err "NODE_RANK is not set: set NODE_RANK=0 on the node that serves HTTP and NODE_RANK=1 on the other"
+elif ! is_uint "$NODE_RANK"; then
+  err "NODE_RANK=$NODE_RANK is not a non-negative integer: set NODE_RANK=0 on the first node, 1 on the second"
+elif is_uint "$NNODES" && ((10#$NODE_RANK >= 10#$NNODES)); then
+  err "NODE_RANK=$NODE_RANK is not below NNODES=$NNODES: node ranks run from 0 to $((10#$NNODES - 1))"
+fi
+
+if is_uint "$TP_SIZE" && is_uint "$NNODES" && ((10#$NNODES >= 1)); then
+  if ((10#$TP_SIZE % 10#$NNODES != 0)); then
+    err "TP_SIZE=$TP_SIZE is not divisible by NNODES=$NNODES: each node runs TP_SIZE/NNODES GPUs, so use e.g. TP_SIZE=16 for 2 nodes of 8 GPUs"
+  fi
+fi
+if is_uint "$TP_SIZE" && is_uint "$EP_SIZE" && ((10#$EP_SIZE >= 1)); then
+  if ((10#$TP_SIZE % 10#$EP_SIZE != 0)); then
+    err "EP_SIZE=$EP_SIZE does not divide TP_SIZE=$TP_SIZE: SGLang splits the TP ranks into expert groups, so set EP_SIZE to TP_SIZE (16) or a divisor of it"
+  fi
+fi
+
+case "$dry_run" in
+  0 | 1) ;;
+  *) err "FARSKIP_DRY_RUN=$dry_run is not 0 or 1: set FARSKIP_DRY_RUN=1 to print the command without starting" ;;
+esac
+
+case "$FARSKIP_MODE" in
+  overlap | sync | off) ;;
+  *) err "FARSKIP_MODE=$FARSKIP_MODE is not a FarSkip mode: use overlap, sync or off" ;;
+esac
+
+if [[ -z "${MODEL_PATH:-}" ]]; then
+  err "MODEL_PATH is not set: set it to the checkpoint directory as seen inside the container (e.g. /models/DeepSeek-V3-FarSkip), or to 'demo' for the built-in tiny model"
+elif [[ "$MODEL_PATH" != demo ]]; then
+  if [[ ! -d "$MODEL_PATH" ]]; then
+    err "MODEL_PATH=$MODEL_PATH is not a directory on this node: mount the checkpoint (MODEL_DIR in deploy/nodeN.env) and give its path inside the container"
+  elif [[ ! -f "$MODEL_PATH/config.json" ]]; then
+    err "MODEL_PATH=$MODEL_PATH has no config.json: point MODEL_PATH at the Hugging Face checkpoint directory itself"
+  fi
+fi
+
+if [[ -z "${FARSKIP_PLATFORM:-}" ]]; then
+  # The images set this; elsewhere, guess from the device files the drivers create.
+  if [[ -e /dev/kfd ]]; then
+    FARSKIP_PLATFORM=rocm
+  elif [[ -e /dev/nvidiactl ]]; then
+    FARSKIP_PLATFORM=cuda
+  else
+    FARSKIP_PLATFORM=cpu
+  fi
+fi
+case "$FARSKIP_PLATFORM" in
+  rocm | cuda | cpu) ;;
+  *) err "FARSKIP_PLATFORM=$FARSKIP_PLATFORM is not a platform: use rocm, cuda or cpu (or leave it unset)" ;;
+esac
+
+if ! command -v "$FARSKIP_PYTHON" >/dev/null 2>&1; then
+  err "FARSKIP_PYTHON=$FARSKIP_PYTHON is not an executable on PATH: set it to the Python that has sglang_farskip installed"
+fi
+
+multinode=0
+if is_uint "$NNODES" && ((10#$NNODES > 1)); then
+  multinode=1
+fi
+
+# An interface list in NCCL's syntax: "a,b" matches names starting with a or b, "=a" matches
+# exactly, "^a" excludes (nothing to check then).
+check_nccl_ifname() {
+  local var="$1" value="${!1}" item name found exact=0 items=()
+  [[ -z "$value" || "$value" == ^* ]] && return 0
+  if [[ "$value" == =* ]]; then exact=1; value="${value#=}"; fi
+  IFS=',' read -ra items <<<"$value"
+  for item in "${items[@]}"; do
+    found=0
+    for name in /sys/class/net/*; do
+      name="${name##*/}"
+      if [[ "$name" == "$item" ]] || { ((exact == 0)) && [[ "$name" == "$item"* ]]; }; then
+        found=1
+      fi
+    done
+    if ((found == 0)); then
+      err "$var=${!var}: no network interface matches '$item' on this node (interfaces: $(interfaces)); set $var or NET_IFNAME to the interface that carries node-to-node traffic"
+    fi
+  done
+}
+
+if ((multinode)); then
+  if [[ -z "${MASTER_ADDR:-}" ]]; then
+    err "MASTER_ADDR is not set: set it to node 0's address on the cluster network, the same value on every node"
+  else
+    colons="${MASTER_ADDR//[^:]/}"
+    if [[ ${#colons} -eq 1 || "$MASTER_ADDR" == \[*\]:* ]]; then
+      err "MASTER_ADDR=$MASTER_ADDR includes a port: set MASTER_ADDR to the host alone and MASTER_PORT to the port"
+    elif [[ ! "$MASTER_ADDR" =~ ^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$ ]] &&
+      [[ ! "$MASTER_ADDR" =~ ^\[?[0-9A-Fa-f:.]+\]?$ ]]; then
+      err "MASTER_ADDR=$MASTER_ADDR is not a host name or IP address: set it to node 0's address, e.g. 10.0.0.1"
+    fi
+  fi
+  if [[ -z "${NET_IFNAME:-}" ]]; then
+    err "NET_IFNAME is not set: set it to the network interface that carries node-to-node traffic (interfaces on this node: $(interfaces))"
+  fi
+  if is_port "$MASTER_PORT" && is_port "$HTTP_PORT" && ((10#$MASTER_PORT == 10#$HTTP_PORT)); then
+    err "MASTER_PORT and HTTP_PORT are both $HTTP_PORT: node 0 listens on both, give them different values"
+  fi
+fi
+
+# Interface names are checked whenever they are set: a wrong one is the classic reason for
+# rank 1 never arriving, or for NCCL silently picking a slow or unreachable network.
+if [[ -n "${NET_IFNAME:-}" && ! -e "/sys/class/net/$NET_IFNAME" ]]; then
+  err "NET_IFNAME=$NET_IFNAME is not a network interface on this node (interfaces: $(interfaces)); with host networking use the host's interface name, e.g. from 'ip -br addr'"
+fi
+# gloo takes a comma-separated list of exact names. (A value that is NET_IFNAME's was checked.)
+if [[ -n "$GLOO_SOCKET_IFNAME" && "$GLOO_SOCKET_IFNAME" != "${NET_IFNAME:-}" ]]; then
+  IFS=',' read -ra gloo_names <<<"$GLOO_SOCKET_IFNAME"
+  for name in "${gloo_names[@]}"; do
+    if [[ ! -e "/sys/class/net/$name" ]]; then
+      err "GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME: '$name' is not a network interface on this node (interfaces: $(interfaces)); unset it to use NET_IFNAME"
+    fi
+  done
+fi
+if [[ "$NCCL_SOCKET_IFNAME" != "${NET_IFNAME:-}" ]]; then
+  check_nccl_ifname NCCL_SOCKET_IFNAME
+fi
+if [[ -n "${NCCL_IB_HCA:-}" && "$NCCL_IB_HCA" != ^* ]]; then
+  if ! compgen -G "/sys/class/infiniband/*" >/dev/null; then
+    err "NCCL_IB_HCA=$NCCL_IB_HCA but no InfiniBand/RoCE device is visible here (/sys/class/infiniband is empty): pass /dev/infiniband into the container (deploy/compose.rdma.yaml) or unset NCCL_IB_HCA"
+  else
+    IFS=',' read -ra hcas <<<"${NCCL_IB_HCA#=}"
+    for hca in "${hcas[@]}"; do
+      hca="${hca%%:*}"
+      if ! compgen -G "/sys/class/infiniband/${hca}*" >/dev/null; then
+        err "NCCL_IB_HCA=$NCCL_IB_HCA: no device matches '$hca' on this node; fix or unset NCCL_IB_HCA"
+      fi
+    done
+  fi
+fi
+
+if ((${#errors[@]})); then
+  printf 'error: %s\n' "${errors[@]}" >&2
+  exit 2
+fi
+
+# ---------------------------------------------------------------- network environment
+if ((multinode)); then
+  if [[ "$NET_IFNAME" == lo ]]; then
+    echo "warning: NET_IFNAME=lo only works when every node runs on this one machine" >&2
+  fi
+  # The node's own address: SGLang advertises it to the other node (its guess can pick an
+  # address the peer cannot reach, e.g. a docker bridge).
+  if [[ -z "${SGLANG_HOST_IP:-}" ]]; then
+    if ! SGLANG_HOST_IP="$("$FARSKIP_PYTHON" - "$NET_IFNAME" <<'PY'
+import fcntl, socket, struct, sys
+
+SIOCGIFADDR = 0x8915  # Linux: the interface's IPv4 address
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+try:
+    req = struct.pack("256s", sys.argv[1].encode()[:15])
+    print(socket.inet_ntoa(fcntl.ioctl(sock.fileno(), SIOCGIFADDR, req)[20:24]))
+except OSError:
+    sys.exit(1)
+PY
+    )"; then
+      echo "error: NET_IFNAME=$NET_IFNAME has no IPv4 address: set SGLANG_HOST_IP to this node's address on the cluster network" >&2
+      exit 2
+    fi
+  fi
+  # A typo in MASTER_ADDR otherwise shows up as rank 1 waiting DIST_TIMEOUT for nothing.
+  # Kubernetes publishes the leader's DNS name a little after the pod starts: retry a while.
+  resolve_deadline=$((SECONDS + (dry_run == 1 ? 0 : 10#$DIST_TIMEOUT)))
+  host="${MASTER_ADDR#[}"
+  host="${host%]}"
+  until "$FARSKIP_PYTHON" -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$host" 2>/dev/null; do
+    if ((SECONDS >= resolve_deadline)); then
+      echo "error: MASTER_ADDR=$MASTER_ADDR does not resolve on this node: use node 0's IP address, or fix DNS / /etc/hosts" >&2
+      exit 2
+    fi
+    sleep 2
+  done
+  export GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME SGLANG_HOST_IP
+  if [[ "$MASTER_ADDR" == *:* && "$MASTER_ADDR" != \[* ]]; then
+    dist_init_addr="[$MASTER_ADDR]:$MASTER_PORT"  # SGLang wants IPv6 in brackets
+  else
+    dist_init_addr="$MASTER_ADDR:$MASTER_PORT"
+  fi
+fi
+export NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING
+# Empty optional variables are unset rather than passed on: NCCL reads "" as a value.
+for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP; do
+  if [[ -z "${!var:-}" ]]; then unset "$var"; fi
+done
+if [[ -n "${NCCL_IB_HCA:-}" ]]; then export NCCL_IB_HCA; fi
+
+# ---------------------------------------------------------------- command
+cmd=("$FARSKIP_PYTHON" -m sglang_farskip.launch_server --farskip-mode "$FARSKIP_MODE")
+if [[ "$MODEL_PATH" != demo ]]; then
+  cmd+=(--model-path "$MODEL_PATH")
+fi
+cmd+=(
+  --tp-size "$TP_SIZE" --ep-size "$EP_SIZE"
+  # FarSkip replaces the MoE all-to-all with its own overlapped collectives.
+  --moe-a2a-backend none
+  --nnodes "$NNODES" --node-rank "$NODE_RANK"
+  --dist-timeout "$DIST_TIMEOUT"
+  --host 0.0.0.0 --port "$HTTP_PORT"
+)
+if ((multinode)); then
+  cmd+=(--dist-init-addr "$dist_init_addr")
+fi
+if [[ "$FARSKIP_PLATFORM" == cuda ]]; then
+  # Prefill CUDA graphs are not yet validated with FarSkip's overlapped collectives.
+  cmd+=(--cuda-graph-backend-prefill disabled)
+fi
+if [[ -n "${EXTRA_ARGS:-}" ]]; then
+  read -ra extra <<<"$EXTRA_ARGS"
+  cmd+=("${extra[@]}")
+fi
+cmd+=("$@")
+
+{
+  echo "sglang-farskip: node $NODE_RANK of $NNODES, platform $FARSKIP_PLATFORM, mode $FARSKIP_MODE, dist timeout ${DIST_TIMEOUT}s"
+  if ((multinode)); then
+    echo "sglang-farskip: rendezvous at $dist_init_addr via ${NET_IFNAME}; this node is ${SGLANG_HOST_IP}"
+  fi
+} >&2
+
+if [[ "$dry_run" == 1 ]]; then
+  for var in "${FARSKIP_ENV_VARS[@]}"; do
+    if [[ -v "$var" ]]; then printf '%s=%q\n' "$var" "${!var}"; fi
+  done
+  printf '%q ' "${cmd[@]}"
+  echo
+  exit 0
+fi
+exec "${cmd[@]}"

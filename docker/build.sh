@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Build one of the images with the versions in docker/versions.env.
+#
+#   docker/build.sh rocm|cuda|cpu [--print] [extra `docker build` arguments...]
+#
+# The image is tagged $FARSKIP_IMAGE if set, else sglang-farskip:<FARSKIP_VERSION>-<flavour>,
+# the name deploy/compose.yaml uses by default. --print shows the command instead of running it.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+versions="$root/docker/versions.env"
+
+flavour="${1:-}"
+case "$flavour" in
+  rocm | cuda | cpu) shift ;;
+  *) echo "usage: $0 rocm|cuda|cpu [--print] [docker build arguments...]" >&2; exit 2 ;;
+esac
+print=0
+if [[ "${1:-}" == --print ]]; then print=1; shift; fi
+dockerfile="$root/docker/Dockerfile.$flavour"
+
+# Read KEY=VALUE lines without executing the file; anything else is a mistake worth stopping on.
+declare -A version=()
+lineno=0
+while IFS= read -r line || [[ -n "$line" ]]; do
+  lineno=$((lineno + 1))
+  [[ -z "$line" || "$line" == \#* ]] && continue
+  if [[ ! "$line" =~ ^([A-Z][A-Z0-9_]*)=([^[:space:]]+)$ ]]; then
+    echo "error: $versions:$lineno: expected KEY=VALUE with no spaces or inline comment, got: $line" >&2
+    exit 2
+  fi
+  version["${BASH_REMATCH[1]}"]="${BASH_REMATCH[2]}"
+done <"$versions"
+
+# Pass exactly the ARGs this Dockerfile declares; each one must have a value in versions.env.
+args=()
+while read -r name; do
+  if [[ -z "${version[$name]:-}" ]]; then
+    echo "error: $dockerfile declares ARG $name but $versions does not set it: add $name=..." >&2
+    exit 2
+  fi
+  args+=(--build-arg "$name=${version[$name]}")
+done < <(sed -n 's/^ARG \([A-Z][A-Z0-9_]*\).*/\1/p' "$dockerfile")
+
+image="${FARSKIP_IMAGE:-sglang-farskip:${version[FARSKIP_VERSION]}-$flavour}"
+# BuildKit: it reads docker/Dockerfile.<flavour>.dockerignore, which keeps .venv/ out.
+cmd=(docker build -f "$dockerfile" -t "$image" "${args[@]}" "$@" "$root")
+if ((print)); then
+  printf '%q ' "${cmd[@]}"
+  echo
+  exit 0
+fi
+if ! command -v docker >/dev/null 2>&1; then
+  echo "error: docker is not installed; install Docker Engine (or run with --print)" >&2
+  exit 2
+fi
+DOCKER_BUILDKIT=1 exec "${cmd[@]}"

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The install step every image runs (docker/Dockerfile.{rocm,cuda,cpu}): put sglang-farskip
+# into a Python that already has torch and SGLang, without touching either, and apply patches/.
+#
+#   install-farskip.sh PLATFORM SRC SGLANG_VERSION      (PLATFORM: rocm, cuda or cpu)
+#
+# It fails the build, with the reason, when the base image is not what the versions file says:
+# another SGLang version, or a torch built for another platform.
+set -euo pipefail
+
+if (($# != 3)); then
+  echo "usage: $0 rocm|cuda|cpu SRC SGLANG_VERSION" >&2
+  exit 2
+fi
+platform="$1" src="$2" want_sglang="$3"
+python="${FARSKIP_PYTHON:-python3}"
+pip=("$python" -m pip install --no-cache-dir --no-input --disable-pip-version-check)
+
+have_sglang="$("$python" -c 'import importlib.metadata as m; print(m.version("sglang"))')"
+if [[ "$have_sglang" != "$want_sglang" ]]; then
+  echo "error: the base image has sglang $have_sglang, sglang-farskip needs $want_sglang:" \
+    "fix the image tag in docker/versions.env" >&2
+  exit 1
+fi
+torch_before="$("$python" -c 'import torch; print(torch.__version__)')"
+case "$platform" in
+  rocm) probe='import torch; assert torch.version.hip, "torch is not a ROCm build"' ;;
+  cuda) probe='import torch; assert torch.version.cuda and not torch.version.hip, "torch is not a CUDA build"' ;;
+  cpu) probe='import torch' ;;
+  *) echo "error: platform $platform is not rocm, cuda or cpu" >&2; exit 2 ;;
+esac
+if ! "$python" -c "$probe"; then
+  echo "error: torch $torch_before in the base image does not match platform $platform:" \
+    "build docker/Dockerfile.$platform from the $platform image named in docker/versions.env" >&2
+  exit 1
+fi
+
+# --no-deps: the package's declared dependencies are SGLang's and torch's own, which the image
+# already has in the builds it was tested with; a resolver run could replace them.
+"${pip[@]}" --no-deps "$src"
+# The same command as every other install (scripts/bootstrap.sh, CI): patches SGLang in place.
+"$python" -m sglang_farskip.patches apply
+
+torch_after="$("$python" -c 'import torch; print(torch.__version__)')"
+if [[ "$torch_after" != "$torch_before" ]]; then
+  echo "error: installing sglang-farskip changed torch $torch_before to $torch_after" >&2
+  exit 1
+fi
+"$python" -c 'import sglang_farskip, sys; print("sglang-farskip", sglang_farskip.__version__, "on", sys.version.split()[0])'
