@@ -7,15 +7,17 @@ Upstream gaps (fixed at plugin load, in every SGLang process, see plugin.py):
    torch_native_backend.py). We route torch_native to the absorbed-MLA method for every batch,
    which is what the torch_native backend actually implements for MLA.
 2. --ep-size > 1 with the native CPU MoE: topk ids of experts owned by another EP rank arrive
-   as -1 and `moe_forward_native` indexes with them (index -1 out of bounds). We send those
-   slots to expert 0 with weight 0: they contribute exactly nothing, at the cost of some
-   wasted work on expert 0 (this path is the CPU correctness harness, not a fast path).
+   as -1 and `moe_forward_native` indexes with them (index -1 out of bounds). We run upstream's
+   function once per top-k slot on the tokens whose expert is local, so foreign slots
+   contribute nothing and upstream's expert math (activation, biases) is reused unchanged.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+
+import torch
 
 logger = logging.getLogger("sglang_farskip.cpu")
 
@@ -101,13 +103,24 @@ def _make_native_moe_skip_foreign_experts() -> None:
         return
 
     def moe_forward_native(layer, x, topk_output, moe_runner_config):
-        foreign = topk_output.topk_ids < 0
-        if bool(foreign.any()):
-            topk_output = topk_output._replace(
-                topk_ids=topk_output.topk_ids.masked_fill(foreign, 0),
-                topk_weights=topk_output.topk_weights.masked_fill(foreign, 0.0),
+        ids, weights, logits = topk_output.topk_ids, topk_output.topk_weights, topk_output.router_logits
+        if not bool((ids < 0).any()):
+            return upstream(layer, x, topk_output, moe_runner_config)
+        # Upstream counts experts per token with a scatter that collapses repeated ids, so a
+        # foreign slot cannot simply be pointed at a local expert. Run upstream once per top-k
+        # slot instead (one id per token: no repeats), on the tokens whose slot is local.
+        out = torch.zeros_like(x)  # [T, H]
+        for j in range(ids.shape[1]):
+            own = ids[:, j] >= 0  # [T]
+            if not bool(own.any()):
+                continue
+            slot = topk_output._replace(
+                topk_ids=ids[own, j : j + 1],  # [T_own, 1]
+                topk_weights=weights[own, j : j + 1],
+                router_logits=None if logits is None else logits[own],
             )
-        return upstream(layer, x, topk_output, moe_runner_config)
+            out[own] += upstream(layer, x[own], slot, moe_runner_config).to(out.dtype)
+        return out
 
     moe_forward_native._farskip_wrapped = True
     # unquant.py imports the function at call time, so rebinding the module attribute is seen.
