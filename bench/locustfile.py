@@ -1,8 +1,9 @@
 """Locust users that stream completions from an SGLang server and time every token.
 
-    locust -f bench/locustfile.py --host http://127.0.0.1:30000 --prompts-file prompts.jsonl
+    locust -f bench/locustfile.py --host http://127.0.0.1:30000 --input-len 128 --vocab-size 4096
 
-(bench/run_load.py writes the prompts file and drives this headless; see bench/README.md.)
+(the locust web UI, random token prompts; bench/run_load.py drives this file headless and
+reads the model's vocabulary itself; see bench/README.md.)
 
 Each user sends one streaming request after another (closed loop, no think time), with
 temperature 0, ignore_eos and a fixed token budget, to OpenAI `/v1/completions` (default) or
@@ -169,7 +170,8 @@ def _sse_lines(response):
 def _parse_chunk(endpoint: str, data: dict) -> tuple[bool, int | None, int | None, str | None]:
     """(has text, completion tokens so far or None, prompt tokens or None, finish type)."""
     if data.get("object") == "error" or "error" in data:
-        detail = data.get("message") or data.get("error")
+        err = data.get("error")
+        detail = data.get("message") or (err.get("message") if isinstance(err, dict) else err)
         raise _StreamFailure(f"server error in stream: {detail}")
     if endpoint == "generate":
         meta = data.get("meta_info") or {}
@@ -189,7 +191,7 @@ def new_record(endpoint: str, prompt: dict, max_tokens: int) -> dict:
         "endpoint": PATHS[endpoint], "start_unix": time.time(), "ok": False, "error": None,
         "status": None, "input_len": prompt.get("input_len"), "prompt_tokens": None,
         "output_tokens": 0, "expected_tokens": max_tokens, "ttft": None, "itl": [],
-        "tpot": None, "e2e": None, "chunks": 0,
+        "tpot": None, "e2e": None, "chunks": 0, "first_chunk_tokens": None,
     }
 
 
@@ -233,7 +235,9 @@ def stream_request(session, base_url: str, endpoint: str, prompt: dict, rec: dic
                     continue  # sglang's rule: only chunks with text are timed
                 new = tokens - timed_tokens
                 if rec["ttft"] is None:
-                    rec["ttft"] = t - st
+                    # Tokens that arrive together with the first get no gap, as in sglang:
+                    # nothing tells when they were made. len(itl) == tokens - first_chunk_tokens.
+                    rec["ttft"], rec["first_chunk_tokens"] = t - st, new
                 elif new > 0:
                     # Several tokens in one chunk: the gap is shared evenly among them.
                     rec["itl"].extend([(t - timed_at) / new] * new)
@@ -246,7 +250,7 @@ def stream_request(session, base_url: str, endpoint: str, prompt: dict, rec: dic
         if tokens != max_tokens:
             raise _StreamFailure(f"short output: {tokens} of {max_tokens} tokens although ignore_eos was set")
         rec["e2e"] = last - st
-        if tokens > 1:
+        if tokens > 1 and rec["ttft"] is not None:
             rec["tpot"] = (rec["e2e"] - rec["ttft"]) / (tokens - 1)
         rec["ok"] = True
     except _StreamFailure as e:

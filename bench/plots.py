@@ -33,7 +33,13 @@ def plot_percentiles(series: dict[str, list[tuple[int, dict]]], metric: str, pat
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency (users)")
     ax.set_ylabel("ms")
-    ax.set_ylim(bottom=0)
+    values = [s[metric][key] for points in series.values() for _, s in points for key, *_ in STYLES
+              if s[metric][key]]
+    if values and max(values) > 30 * min(values):
+        ax.set_yscale("log")  # a p99 tail 30x the median would flatten the medians on a linear axis
+        ax.set_ylabel("ms (log scale)")
+    else:
+        ax.set_ylim(bottom=0)
     ax.set_title(TITLES[metric], fontsize=10)
     if subtitle:
         fig.text(0.5, 0.01, textwrap.fill(subtitle, 110), ha="center", va="bottom", fontsize=6.5)

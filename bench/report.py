@@ -137,6 +137,9 @@ def write_all(results: dict, out: Path) -> dict[str, Path]:
     md += _server_table(levels) + [""]
     md += ["![TTFT percentiles against concurrency](ttft.png)", "",
            "![ITL percentiles against concurrency](itl.png)", ""]
+    notes = [f"- {lv['label']} c={lv['concurrency']}: {lv['note']}" for lv in levels if lv.get("note")]
+    if notes:
+        md += ["Notes:", "", *notes, ""]
     errors = [(lv["label"], lv["concurrency"], lv["client"]["first_error"]) for lv in levels if lv["client"]["failed"]]
     if errors:
         md += ["Failures (first error of each level):", ""]

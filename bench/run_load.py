@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -38,13 +34,18 @@ import loadstats  # noqa: E402
 import report  # noqa: E402
 import servermetrics  # noqa: E402
 import workload  # noqa: E402
+from servers import BenchError, check_reachable, describe_target, machine_facts, server_facts, warm_up  # noqa: E402
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LABEL_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # labels become file names
 
 
-class BenchError(Exception):
-    """Printed as one `error:` line; exit code 2."""
+class Interrupted(Exception):
+    """SIGTERM or Ctrl-C: finish the current level's in-flight requests, report, stop."""
+
+
+def _interrupt(signum, frame):
+    raise Interrupted()
 
 
 # ---------------------------------------------------------------- arguments
@@ -135,89 +136,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-# ---------------------------------------------------------------- server facts
-def _get_json(url: str, timeout: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def check_reachable(label: str, url: str) -> None:
-    """Fail in seconds, not after a whole load run of connection errors."""
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5.0) as r:
-            r.read()
-    except urllib.error.HTTPError as e:
-        raise BenchError(f"{label}: {url}/health answered HTTP {e.code}: the server is up but not "
-                         "healthy; check its log") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise BenchError(f"{label}: cannot reach the server at {url} ({reason}): start it "
-                         "(python -m sglang_farskip.launch_server --port PORT) or fix the URL") from None
-
-
-def server_facts(url: str) -> dict:
-    """What the report says about a server; each source is optional (stock SGLang has no
-    /farskip/info, other servers have neither)."""
-    facts: dict = {"url": url}
-    try:
-        info = _get_json(url + "/get_server_info")
-        for key in ("version", "model_path", "tokenizer_path", "device", "tp_size", "stream_interval",
-                    "max_running_requests", "enable_metrics", "sleep_on_idle", "disable_radix_cache"):
-            facts[key] = info.get(key)
-    except (urllib.error.URLError, OSError, ValueError):
-        pass
-    try:
-        fs = _get_json(url + "/farskip/info")
-        rank = (fs.get("ranks") or [{}])[0]
-        facts["farskip_mode"] = rank.get("mode")
-        facts["farskip"] = rank.get("description")
-    except (urllib.error.URLError, OSError, ValueError):
-        facts["farskip_mode"] = None
-    return facts
-
-
-def machine_facts() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        kib = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
-        mem_gib = round(kib / 2**20, 1)
-    except (OSError, IndexError, ValueError):
-        pass
-    gpu = "none"
-    if shutil.which("nvidia-smi"):
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=20)
-        gpu = ", ".join(q.stdout.split("\n")).strip(", ") or "none"
-    return {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": mem_gib, "gpu": gpu,
-            "os": platform.platform(), "python": platform.python_version()}
-
-
-def warm_up(url: str, args, n: int) -> None:
-    """A few short requests first: the first request after start pays one-off costs."""
-    for k in range(n):
-        ids = [2 + k + i for i in range(min(args.input_len, 64))]  # no prefix shared between them
-        if args.endpoint == "generate":
-            path, body = "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-        else:
-            path, body = "/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0}
-        req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=args.request_timeout) as r:
-                r.read()
-        except urllib.error.HTTPError as e:
-            raise BenchError(f"warm-up request to {url}{path} failed: HTTP {e.code} "
-                             f"{e.read()[:300].decode(errors='replace')}") from None
-
-
 # ---------------------------------------------------------------- one level
 def _count_records(path: Path) -> tuple[int, int]:
     try:
@@ -249,10 +167,22 @@ def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_a
     before = _scrape(url)
     started = time.monotonic()
     hard_limit = run_time + args.stop_timeout + 60
+    interrupted = False
     with open(f"{stem}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _show_progress(label, concurrency, records, proc, started, args, hard_limit)
+        except (Interrupted, KeyboardInterrupt):
+            # Locust's own SIGTERM handling stops users gracefully: requests in flight get
+            # --stop-timeout to finish, and its stats are written as at a normal end.
+            interrupted = True
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            print(f"\n[{label} c={concurrency}] stopping: letting requests in flight finish", file=sys.stderr)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=args.stop_timeout + 30)
+            except subprocess.TimeoutExpired:
+                pass
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -269,7 +199,9 @@ def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_a
     if level["locust"] != {"requests": len(recs), "failures": level["client"]["failed"]}:
         raise BenchError(f"{name}: locust counted {level['locust']} but {records} holds "
                          f"{len(recs)} records, {level['client']['failed']} failed: records were lost")
-    if args.requests is not None and len(recs) < args.requests:
+    if interrupted:
+        level["note"] = "stopped early by a signal; later levels were not run"
+    elif args.requests is not None and len(recs) < args.requests:
         level["note"] = f"stopped by --level-timeout after {len(recs)} of {args.requests} requests"
     return level
 
@@ -317,26 +249,6 @@ def workload_line(args) -> str:
     return f"{prompts}, {args.max_tokens} output tokens, {'/v1/completions' if args.endpoint == 'completions' else '/generate'}, {span}"
 
 
-def describe_target(label: str, facts: dict) -> str:
-    mode = facts.get("farskip_mode")
-    what = f"FarSkip mode `{mode}`" + (f" ({facts['farskip']})" if mode != "off" and facts.get("farskip") else "") \
-        if mode else "not a sglang-farskip server (no /farskip/info)"
-    return f"**{label}** = {facts['url']}: {what}, SGLang {facts.get('version', '?')}, model `{facts.get('model_path', '?')}`"
-
-
-def make_note(machine: dict, targets: dict, args_line: str, extra: str = "") -> str:
-    m = machine
-    lines = [f"Machine: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, GPU {m['gpu']}; {m['os']}, Python {m['python']}.",
-             "Compared: " + "; ".join(describe_target(lbl, f) for lbl, f in targets.items()) + ".",
-             f"Workload: {args_line}; temperature 0, ignore_eos, streaming."]
-    paths = {f.get("model_path") for f in targets.values()}
-    if len(targets) == 2 and len(paths) > 1:
-        lines.append("WARNING: the two servers load different checkpoints, so this is not a same-weights A/B.")
-    if extra:
-        lines.append(extra)
-    return "  \n".join(lines)
-
-
 def run(args) -> dict:
     for label, url in args.targets:
         check_reachable(label, url)
@@ -368,6 +280,10 @@ def run(args) -> dict:
         order = args.targets if index % 2 == 0 else args.targets[::-1]
         for label, url in order:
             levels.append(run_level(label, url, concurrency, index, args, prompt_args, out))
+            if "signal" in levels[-1].get("note", ""):
+                break
+        if "signal" in levels[-1].get("note", ""):
+            break
     labels = [label for label, _ in args.targets]
     interleave = " Levels ran interleaved, alternating which server went first." if len(labels) == 2 else ""
     results = {
@@ -438,6 +354,7 @@ def write_prompts_only(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         args = parse_args(argv)
         if args.write_prompts:
@@ -447,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, workload.WorkloadError, loadstats.RecordError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (Interrupted, KeyboardInterrupt):
+        print("error: interrupted before a level finished; nothing was reported", file=sys.stderr)
+        return 130
     failed = sum(lv["client"]["failed"] for lv in results["levels"])
     total = sum(lv["client"]["requests"] for lv in results["levels"])
     print(f"report: {results['out']}/report.md ({total} requests, {failed} failed)")

@@ -31,6 +31,11 @@ def scrape(base_url: str, timeout: float = 10.0) -> dict | None:
         if e.code == 404:
             return None
         raise
+    return parse(text)
+
+
+def parse(text: str) -> dict | None:
+    """The histograms of scrape() from Prometheus exposition text."""
     wanted = {name: key for key, name in HISTOGRAMS.items()}
     out = {key: {"count": 0.0, "sum": 0.0, "buckets": {}} for key in HISTOGRAMS}
     seen = False

@@ -10,7 +10,7 @@
 # --check (or FARSKIP_DRY_RUN=1): validate and print the command, do not start anything.
 # Any other argument is passed to SGLang after the generated flags (a repeated flag wins).
 # A bad setting prints one `error: ...` line per problem and exits with status 2.
-# docs/deploy.md documents every variable below.
+# docs/deploy.md documents every variable this script reads.
 set -euo pipefail
 
 # Every variable this script reads from the environment. docs/deploy.md documents each one,
@@ -45,16 +45,18 @@ esac
 : "${FARSKIP_MODE:=overlap}"
 : "${HTTP_PORT:=30000}"
 # Bounds every collective, including the rendezvous: a peer that never arrives, dies or loses
-# its link makes the other node fail after about this long instead of hanging (gloo's own
-# default is 30 min). It must exceed the start-up skew between the nodes: the first collective
-# after weight loading waits for the slower node, and a cold page cache on one node can make
-# it minutes slower to read ~340 GB of DeepSeek-V3 weights.
+# its link makes the other node fail after about this long instead of hanging (torch's own
+# defaults: 10 min for NCCL, 30 min for gloo). Not shorter, because it must also cover the
+# start-up skew between the nodes: node 1 started by hand after node 0, and first-use kernel
+# compilation (Triton, AITER on ROCm) that takes minutes on a node whose cache is cold.
+# (Weight loading is not the limit: SGLang waits up to 480 s for a slow node after loading.)
 : "${DIST_TIMEOUT:=300}"
 # NCCL/RCCL print nothing on failure at their default level; WARN names the failing peer.
 : "${NCCL_DEBUG:=WARN}"
 # On a collective timeout the NCCL watchdog aborts the communicators and ends the process, so a
 # dead peer makes this node exit too. (TORCH_NCCL_BLOCKING_WAIT is deliberately not set: it
-# makes every wait block the CPU, which serialises the communication FarSkip overlaps.)
+# makes each wait() hold the CPU until the collective ends, which stalls the kernel launches
+# FarSkip queues behind its overlapped communication, and it cannot be graph-captured.)
 : "${TORCH_NCCL_ASYNC_ERROR_HANDLING:=1}"
 : "${FARSKIP_PYTHON:=python3}"
 : "${GLOO_SOCKET_IFNAME:=${NET_IFNAME:-}}"
@@ -89,7 +91,7 @@ if [[ -z "${NODE_RANK:-}" ]]; then
 elif ! is_uint "$NODE_RANK"; then
   err "NODE_RANK=$NODE_RANK is not a non-negative integer: set NODE_RANK=0 on the first node, 1 on the second"
 elif is_uint "$NNODES" && ((10#$NODE_RANK >= 10#$NNODES)); then
-  err "NODE_RANK=$NODE_RANK is not below NNODES=$NNODES: node ranks run from 0 to $((10#$NNODES - 1))"
+  err "NODE_RANK=$NODE_RANK is not below NNODES=$NNODES: set NODE_RANK to 0 .. $((10#$NNODES - 1)), one value per node"
 fi
 
 if is_uint "$TP_SIZE" && is_uint "$NNODES" && ((10#$NNODES >= 1)); then

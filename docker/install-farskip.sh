@@ -15,6 +15,9 @@ fi
 platform="$1" src="$2" want_sglang="$3"
 python="${FARSKIP_PYTHON:-python3}"
 pip=("$python" -m pip install --no-cache-dir --no-input --disable-pip-version-check)
+# The upstream images install into the system Python, not a venv; where the distribution marks
+# it externally managed (PEP 668), pip refuses to install without this.
+export PIP_BREAK_SYSTEM_PACKAGES=1
 
 have_sglang="$("$python" -c 'import importlib.metadata as m; print(m.version("sglang"))')"
 if [[ "$have_sglang" != "$want_sglang" ]]; then
@@ -24,8 +27,8 @@ if [[ "$have_sglang" != "$want_sglang" ]]; then
 fi
 torch_before="$("$python" -c 'import torch; print(torch.__version__)')"
 case "$platform" in
-  rocm) probe='import torch; assert torch.version.hip, "torch is not a ROCm build"' ;;
-  cuda) probe='import torch; assert torch.version.cuda and not torch.version.hip, "torch is not a CUDA build"' ;;
+  rocm) probe='import sys, torch; sys.exit(not torch.version.hip)' ;;
+  cuda) probe='import sys, torch; sys.exit(not (torch.version.cuda and not torch.version.hip))' ;;
   cpu) probe='import torch' ;;
   *) echo "error: platform $platform is not rocm, cuda or cpu" >&2; exit 2 ;;
 esac

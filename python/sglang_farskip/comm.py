@@ -1,83 +1,210 @@
 """Every collective of the project: start an all-reduce, get a handle, wait for it later.
 
-    handle = comm.start_all_reduce(partial)     # the sum starts now
-    ...                                         # compute that does not read the sum
-    full = handle.wait()                        # right before the add that reads it
+    handle = comm.start_all_reduce(partial, lane="routed", layer=k)   # the sum starts now
+    ...                                                               # work that does not read it
+    full = handle.wait()                                              # right before the add
 
-Semantics, per backend (chosen once per communicator):
-- Identity (world size 1): the "sum" is the input; wait() returns it.
-- Blocking: the sum is computed inside start_all_reduce with the group's own best path
-  (SGLang's GroupCoordinator.all_reduce on GPU: custom AR / pynccl / NCCL; gloo on CPU); the
-  handle is already complete. This is FarSkip's `sync` mode: the same wiring, no overlap.
-- Async torch.distributed (`async_op=True`): gloo runs the reduction on its own thread, so
-  on CPU the sum really proceeds while the caller computes; wait() blocks on the Work.
-  The partial passed in is reduced in place: the caller must not touch it until wait().
+A handle is a value: it is returned, passed along, and waited exactly once (a second wait is
+a schedule bug and raises). Until wait() returns, the caller must neither read nor write the
+tensor it passed in (every backend may reduce it in place).
 
-Every rank must start the same collectives in the same order; a handle must be waited exactly
-once (a second wait is a bug in the schedule and raises).
+Backends, chosen once per communicator:
+- identity (world size 1): the "sum" is the input.
+- blocking: the group's own all-reduce inside start_all_reduce (on GPU SGLang's
+  GroupCoordinator picks custom AR / pynccl / NCCL). FarSkip's `sync` mode.
+- async torch.distributed (CPU, gloo): `all_reduce(async_op=True)`; gloo's own thread moves
+  the data while the caller computes; wait() blocks on the Work.
+- side stream (CUDA/HIP): see `SideStreamAllReduce`. Stream/event semantics:
+    start: the side stream waits on the current stream (fork: the partial was produced
+           there), the all-reduce is enqueued on the side stream, and one of a fixed ring of
+           events is recorded after it.
+    wait:  the *current* stream waits on that event (join). The host never blocks.
+  Fork and join are stream-to-stream edges, so a launch and its wait inside one CUDA/HIP
+  graph capture are captured as graph dependencies; the events are created once and reused
+  (fresh events per layer exhaust ROCm's HSA signal pool). All collectives of one
+  communicator go through its one side stream in program order, so every rank issues them in
+  the same order and the communicator never runs concurrently with itself.
+
+Overlap measurement (`OverlapProfiler`, off unless attached): per (phase, layer, lane), the
+collective's duration (start to completion) and how long the caller was blocked in wait(),
+giving the fraction of communication hidden = 1 - blocked / duration. It also counts compute
+steps (`mark_compute()`) between a launch and its wait. With no profiler attached the only
+cost is one `is None` test per call.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 
+class _Record:
+    __slots__ = ("key", "t_start", "t_done", "steps_at_start", "blocked_in_start")
+
+    def __init__(self, key, steps_at_start):
+        self.key = key
+        self.t_start = time.perf_counter()
+        self.t_done = None
+        self.steps_at_start = steps_at_start
+        self.blocked_in_start = 0.0  # a blocking collective blocks the caller at launch
+
+
+class OverlapProfiler:
+    """Accumulates per-(phase, layer, lane) timings of collectives and of waits on them."""
+
+    def __init__(self, out_path: Optional[str] = None):
+        self.out_path = out_path  # where flush() writes the cumulative snapshot (JSON)
+        self.phase = "prefill"
+        self.compute_steps = 0
+        self._lock = threading.Lock()
+        self.stats = defaultdict(lambda: {"count": 0, "comm_s": 0.0, "blocked_s": 0.0,
+                                          "min_steps_between": None})
+
+    def mark_compute(self) -> None:
+        """Called by the model after each sub-block of compute (attention, MLP)."""
+        self.compute_steps += 1
+
+    def on_start(self, lane: str, layer: int) -> _Record:
+        return _Record((self.phase, layer, lane), self.compute_steps)
+
+    def on_wait(self, rec: _Record, blocked_s: float, t_end: float) -> None:
+        done = rec.t_done if rec.t_done is not None else t_end
+        steps = self.compute_steps - rec.steps_at_start
+        with self._lock:
+            s = self.stats[rec.key]
+            s["count"] += 1
+            s["comm_s"] += max(0.0, done - rec.t_start)
+            s["blocked_s"] += blocked_s + rec.blocked_in_start
+            if s["min_steps_between"] is None or steps < s["min_steps_between"]:
+                s["min_steps_between"] = steps
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {f"{p}/{layer}/{lane}": dict(v) for (p, layer, lane), v in self.stats.items()}
+
+    def flush(self) -> None:
+        """Write the cumulative snapshot (after every forward: a reader subtracts two)."""
+        if self.out_path is None:
+            return
+        tmp = f"{self.out_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.snapshot(), f)
+        os.replace(tmp, self.out_path)
+
+
 class Handle:
     """A started all-reduce. `wait()` returns the reduced tensor, once."""
 
-    __slots__ = ("_tensor", "_work", "_waited")
+    __slots__ = ("_tensor", "_work", "_event", "_waited", "_record", "_profiler")
 
-    def __init__(self, tensor: torch.Tensor, work: Optional[dist.Work] = None):
+    def __init__(self, tensor, work=None, event=None, record=None, profiler=None):
         self._tensor = tensor
-        self._work = work
+        self._work = work  # torch.distributed Work (CPU async)
+        self._event = event  # torch.cuda.Event recorded on the side stream
         self._waited = False
+        self._record = record
+        self._profiler = profiler
 
     def wait(self) -> torch.Tensor:
         if self._waited:
             raise RuntimeError("all-reduce handle waited twice: the FarSkip schedule is wrong")
         self._waited = True
+        t0 = time.perf_counter() if self._record is not None else 0.0
         if self._work is not None:
             self._work.wait()
-            self._work = None
-        tensor, self._tensor = self._tensor, None  # drop our reference: the caller owns it now
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        if self._record is not None:
+            t1 = time.perf_counter()
+            self._profiler.on_wait(self._record, t1 - t0, t1)
+        tensor, self._tensor, self._work, self._event = self._tensor, None, None, None
         return tensor
 
 
-class Communicator:
-    """All-reduce over one process group, either blocking or asynchronous.
+class SideStreamAllReduce:
+    """All-reduce on a dedicated CUDA/HIP stream with a persistent ring of events.
 
-    `group` is SGLang's GroupCoordinator (or anything with `world_size`, `all_reduce(t)` and
-    `device_group`); it is passed in explicitly, never looked up from model code.
+    `all_reduce_` reduces a tensor in place on the *current* stream (SGLang's dedicated
+    PyNcclCommunicator, or `torch.distributed.all_reduce` on an NCCL group in plain torch);
+    this class makes that the side stream. Needs only torch.
     """
 
-    def __init__(self, group, *, asynchronous: bool):
+    def __init__(self, all_reduce_: Callable[[torch.Tensor], None], device=None, ring: int = 8):
+        self.all_reduce_ = all_reduce_
+        self.stream = torch.cuda.Stream(device=device)
+        # More events than collectives that can be in flight at once (FarSkip: two lanes).
+        self.events = [torch.cuda.Event() for _ in range(ring)]
+        self._next = 0
+
+    def start(self, tensor: torch.Tensor) -> torch.cuda.Event:
+        self.stream.wait_stream(torch.cuda.current_stream())  # fork
+        with torch.cuda.stream(self.stream):
+            self.all_reduce_(tensor)
+        event = self.events[self._next]
+        self._next = (self._next + 1) % len(self.events)
+        event.record(self.stream)
+        return event
+
+
+class Communicator:
+    """All-reduce over one process group: identity, blocking, or asynchronous.
+
+    `group` is SGLang's GroupCoordinator or anything with `world_size`, `all_reduce(t)` (returns
+    the sum) and `device_group`; it is passed in explicitly, model code never looks it up.
+    `side_stream` is a SideStreamAllReduce for the GPU async backend.
+    """
+
+    def __init__(self, group, *, asynchronous: bool, side_stream: Optional[SideStreamAllReduce] = None):
         self.group = group
         self.world_size = group.world_size if group is not None else 1
+        self.side_stream = side_stream
         self.asynchronous = asynchronous and self.world_size > 1
-        if self.asynchronous and not self._supports_async(group):
+        if self.asynchronous and side_stream is None and not self.supports_cpu_async(group):
             raise NotImplementedError(
-                "asynchronous all-reduce is implemented for CPU (gloo) groups only so far; "
-                "use --farskip-mode sync on this device"
+                "asynchronous all-reduce on this device needs a side-stream communicator; "
+                "use --farskip-mode sync"
             )
+        self.profiler: Optional[OverlapProfiler] = None
+
+    def mark_compute(self) -> None:
+        if self.profiler is not None:
+            self.profiler.mark_compute()
 
     @staticmethod
-    def _supports_async(group) -> bool:
+    def supports_cpu_async(group) -> bool:
         return dist.get_backend(group.device_group) == "gloo"
 
     @property
     def backend(self) -> str:
         if self.world_size == 1:
             return "identity"
-        return "async-torch.distributed" if self.asynchronous else "blocking"
-
-    def start_all_reduce(self, tensor: torch.Tensor) -> Handle:
-        if self.world_size == 1:
-            return Handle(tensor)
         if not self.asynchronous:
-            return Handle(self.group.all_reduce(tensor))
-        tensor = tensor.contiguous()
-        work = dist.all_reduce(tensor, group=self.group.device_group, async_op=True)
-        return Handle(tensor, work)
+            return "blocking"
+        return "side-stream" if self.side_stream is not None else "async-torch.distributed"
+
+    def start_all_reduce(self, tensor: torch.Tensor, *, lane: str = "", layer: int = -1) -> Handle:
+        prof = self.profiler
+        record = prof.on_start(lane, layer) if prof is not None else None
+        if self.world_size == 1:
+            out = Handle(tensor, record=record, profiler=prof)
+        elif not self.asynchronous:
+            out = Handle(self.group.all_reduce(tensor), record=record, profiler=prof)
+        elif self.side_stream is not None:
+            out = Handle(tensor, event=self.side_stream.start(tensor), record=record, profiler=prof)
+        else:
+            tensor = tensor.contiguous()
+            work = dist.all_reduce(tensor, group=self.group.device_group, async_op=True)
+            if record is not None:
+                work.get_future().then(lambda _: setattr(record, "t_done", time.perf_counter()))
+            out = Handle(tensor, work=work, record=record, profiler=prof)
+        if record is not None and out._work is None and out._event is None:
+            record.t_done = time.perf_counter()  # completed before returning
+            record.blocked_in_start = record.t_done - record.t_start
+        return out

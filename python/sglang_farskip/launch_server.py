@@ -53,6 +53,10 @@ def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="sglang_farskip.launch_server", add_help=False, allow_abbrev=False)
     parser.add_argument("--farskip-mode", choices=[m.value for m in FarSkipMode], default=None)
     parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0)
+    parser.add_argument("--farskip-profile-dir", default=None,
+                        help="record per-layer collective/wait timings into DIR (off by default)")
+    parser.add_argument("--farskip-gpu-overlap", action="store_true",
+                        help="use the side-stream all-reduce on GPU (not yet validated on hardware)")
     return parser.parse_known_args(argv)
 
 
@@ -240,7 +244,11 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     if isinstance(overrides, str):
         overrides = json.loads(overrides or "{}")
     # SGLang keeps this flag as a JSON string and parses it in every process.
-    server_args.json_model_override_args = json.dumps({**(overrides or {}), "farskip_mode": mode.value})
+    farskip_keys = {"farskip_mode": mode.value, "farskip_gpu_overlap": own.farskip_gpu_overlap}
+    if own.farskip_profile_dir:
+        os.makedirs(own.farskip_profile_dir, exist_ok=True)
+        farskip_keys["farskip_profile_dir"] = os.path.abspath(own.farskip_profile_dir)
+    server_args.json_model_override_args = json.dumps({**(overrides or {}), **farskip_keys})
     try:
         server_args.resolve_once()
     except (ValueError, AssertionError) as e:

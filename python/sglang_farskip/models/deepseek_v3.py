@@ -17,6 +17,9 @@ A layer (DESIGN.md section 1; `FarSkipConfig` decides per layer):
     r = Routed(norm_post(mlp_in));  R lane = AR(r)
 and after the last layer x += A lane; x += R lane; out = norm(x).
 
+A dense layer (r = 0) sends its whole MLP output on the A lane: the next attention must read
+it (DESIGN section 1), so that one sum is waited at once; only MoE layers overlap both lanes.
+
 Upstream's DeepseekV2Model.forward runs the same sub-modules through SGLang's layer-boundary
 framework, which holds one pending sum at a time; FarSkip needs two, so the model's forward is
 replaced (only the forward: layers, weights and loading stay upstream's). `sync` and `overlap`
@@ -48,7 +51,7 @@ from sglang.srt.runtime_context import get_parallel, get_server_args
 from sglang.srt.utils import BumpAllocator
 
 from sglang_farskip import SGLANG_VERSION
-from sglang_farskip.comm import Communicator, Handle
+from sglang_farskip.comm import Communicator, Handle, OverlapProfiler, SideStreamAllReduce
 from sglang_farskip.compat import unsupported
 from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, FarSkipMode, is_moe_layer
 from sglang_farskip.status import write_rank_status
@@ -74,6 +77,8 @@ class FarSkipDeepseekV2Model(DeepseekV2Model):
     comm: Communicator
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None):
+        if self.comm.profiler is not None:
+            self.comm.profiler.phase = "decode" if forward_batch.forward_mode.is_decode() else "prefill"
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         zero_allocator = BumpAllocator(
             buffer_size=len(self.layers) * 2, dtype=torch.float32, device=positions.device
@@ -82,34 +87,40 @@ class FarSkipDeepseekV2Model(DeepseekV2Model):
         for k, layer in enumerate(self.layers):
             with get_global_expert_distribution_recorder().with_current_layer(k):
                 x, pend_a, pend_r = self._layer(
-                    layer, self.wiring[k], x, pend_a, pend_r, positions, forward_batch, zero_allocator
+                    k, layer, x, pend_a, pend_r, positions, forward_batch, zero_allocator
                 )
         x = _add(_add(x, pend_a), pend_r)  # the final norm reads the full h[L-1]
+        if self.comm.profiler is not None:
+            self.comm.profiler.flush()
         if forward_batch.forward_mode.is_idle():
             return x
         return self.norm(x)
 
-    def _layer(self, layer, w: LayerWiring, x, pend_a, pend_r, positions, forward_batch, zero_allocator):
+    def _layer(self, k, layer, x, pend_a, pend_r, positions, forward_batch, zero_allocator):
+        w, comm = self.wiring[k], self.comm
         x = _add(x, pend_a)  # x = h[k-1] - r[k-1]
         if not w.attn_skips_prev_routed:
             x, pend_r = _add(x, pend_r), None  # x = h[k-1]
         a = _attention(layer, layer.input_layernorm(x), positions, forward_batch, zero_allocator)
+        comm.mark_compute()
 
         x, pend_r = _add(x, pend_r), None  # x = h[k-1]
         if not w.mlp_skips_attn:
-            x, a = x + self.comm.start_all_reduce(a).wait(), None  # x = h[k-1] + a
+            x, a = x + comm.start_all_reduce(a, lane="attn", layer=k).wait(), None  # h[k-1] + a
         y = layer.post_attention_layernorm(x)
 
         if not w.is_moe:  # a dense MLP's output rides the attention lane (r = 0)
             s = layer.mlp(y, forward_batch)
-            return x, self.comm.start_all_reduce(s if a is None else a + s), None
+            comm.mark_compute()
+            return x, comm.start_all_reduce(s if a is None else a + s, lane="attn+shared", layer=k), None
 
         s = layer.mlp._forward_shared_experts(y) if layer.mlp.shared_experts is not None else None
         if s is None:  # no shared expert, or an empty batch: ranks still issue the same collectives
             s = torch.zeros_like(y)
-        pend_a = self.comm.start_all_reduce(s if a is None else a + s)
+        pend_a = comm.start_all_reduce(s if a is None else a + s, lane="attn+shared", layer=k)
         r = _routed_experts(layer.mlp, y)
-        return x, pend_a, self.comm.start_all_reduce(r)
+        comm.mark_compute()
+        return x, pend_a, comm.start_all_reduce(r, lane="routed", layer=k)
 
 
 def _attention(layer, h, positions, forward_batch, zero_allocator) -> torch.Tensor:
@@ -181,15 +192,9 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
                 for k in range(config.num_hidden_layers)
             ]
             _check_layers(self.model.layers, self.model.wiring)
-            group = _single_reduction_group(parallel)
-            asynchronous = requested is FarSkipMode.OVERLAP
-            if asynchronous and not _async_supported(group):
-                logger.warning(
-                    "FarSkip overlap: no asynchronous all-reduce for this device yet; running "
-                    "the FarSkip wiring with blocking all-reduce (sync mode)"
-                )
-                asynchronous, effective = False, FarSkipMode.SYNC
-            self.model.comm = Communicator(group, asynchronous=asynchronous)
+            self.model.comm, effective = _build_communicator(
+                _single_reduction_group(parallel), requested, config, parallel.tp_rank
+            )
             comm_backend = self.model.comm.backend
         elif farskip.enabled:
             logger.warning(
@@ -253,8 +258,40 @@ def _single_reduction_group(parallel):
     return group
 
 
-def _async_supported(group) -> bool:
-    return group.world_size == 1 or Communicator._supports_async(group)
+def _build_communicator(group, requested: FarSkipMode, config, tp_rank: int):
+    """The communicator for `requested` on this device, and the mode that really runs."""
+    side_stream = None
+    asynchronous = requested is FarSkipMode.OVERLAP and group.world_size > 1
+    if asynchronous and not Communicator.supports_cpu_async(group):
+        if getattr(config, "farskip_gpu_overlap", False):
+            side_stream = _gpu_side_stream(group)
+        else:
+            logger.warning(
+                "FarSkip overlap on %s: the side-stream all-reduce has not been validated on "
+                "hardware yet, so the FarSkip wiring runs with blocking all-reduce (sync mode). "
+                "Opt in with --farskip-gpu-overlap.", group.device,
+            )
+            asynchronous = False
+    comm = Communicator(group, asynchronous=asynchronous, side_stream=side_stream)
+    profile_dir = getattr(config, "farskip_profile_dir", None)
+    if profile_dir:
+        comm.profiler = OverlapProfiler(os.path.join(profile_dir, f"profile-rank{tp_rank}.json"))
+    overlapping = requested is FarSkipMode.OVERLAP and (asynchronous or group.world_size == 1)
+    return comm, FarSkipMode.OVERLAP if overlapping else FarSkipMode.SYNC
+
+
+def _gpu_side_stream(group) -> SideStreamAllReduce:
+    """A communicator of FarSkip's own (never SGLang's group communicators, which other code
+    uses concurrently), driven on a dedicated stream."""
+    from sglang.srt.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    nccl = PyNcclCommunicator(group=group.cpu_group, device=group.device)
+
+    def all_reduce_(t: torch.Tensor) -> None:
+        with nccl.change_state(enable=True):
+            nccl.all_reduce(t)  # in place, on the current (side) stream
+
+    return SideStreamAllReduce(all_reduce_, device=group.device)
 
 
 def _check_layers(layers, wiring: list[LayerWiring]) -> None:

@@ -1,0 +1,119 @@
+"""Facts about the servers under test and the machine, for checks before a run and for the
+report's note; and the short warm-up each server gets before its first level."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class BenchError(Exception):
+    """Bad input or an unusable server: printed as one `error:` line, exit code 2."""
+
+
+def _get_json(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def check_reachable(label: str, url: str) -> None:
+    """Fail in seconds, not after a whole load run of connection errors."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5.0) as r:
+            r.read()
+    except urllib.error.HTTPError as e:
+        raise BenchError(f"{label}: {url}/health answered HTTP {e.code}: the server is up but not "
+                         "healthy; check its log") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise BenchError(f"{label}: cannot reach the server at {url} ({reason}): start it "
+                         "(python -m sglang_farskip.launch_server --port PORT) or fix the URL") from None
+
+
+def server_facts(url: str) -> dict:
+    """What the report says about a server; each source is optional (stock SGLang has no
+    /farskip/info, other servers have neither)."""
+    facts: dict = {"url": url}
+    try:
+        info = _get_json(url + "/get_server_info")
+        for key in ("version", "model_path", "tokenizer_path", "device", "tp_size", "stream_interval",
+                    "max_running_requests", "enable_metrics", "sleep_on_idle", "disable_radix_cache"):
+            facts[key] = info.get(key)
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+    try:
+        fs = _get_json(url + "/farskip/info")
+        rank = (fs.get("ranks") or [{}])[0]
+        facts["farskip_mode"] = rank.get("mode")
+        facts["farskip"] = rank.get("description")
+    except (urllib.error.URLError, OSError, ValueError):
+        facts["farskip_mode"] = None
+    return facts
+
+
+def machine_facts() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        kib = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        mem_gib = round(kib / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    gpu = "none"
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        gpu = ", ".join(q.stdout.split("\n")).strip(", ") or "none"
+    return {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": mem_gib, "gpu": gpu,
+            "os": platform.platform(), "python": platform.python_version()}
+
+
+def warm_up(url: str, args, n: int) -> None:
+    """A few short requests first: the first request after start pays one-off costs."""
+    for k in range(n):
+        ids = [2 + k + i for i in range(min(args.input_len, 64))]  # no prefix shared between them
+        if args.endpoint == "generate":
+            path, body = "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        else:
+            path, body = "/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0}
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=args.request_timeout) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            raise BenchError(f"warm-up request to {url}{path} failed: HTTP {e.code} "
+                             f"{e.read()[:300].decode(errors='replace')}") from None
+
+
+def describe_target(label: str, facts: dict) -> str:
+    mode = facts.get("farskip_mode")
+    what = f"FarSkip mode `{mode}`" + (f" ({facts['farskip']})" if mode != "off" and facts.get("farskip") else "") \
+        if mode else "not a sglang-farskip server (no /farskip/info)"
+    return f"**{label}** = {facts['url']}: {what}, SGLang {facts.get('version', '?')}, model `{facts.get('model_path', '?')}`"
+
+
+def make_note(machine: dict, targets: dict, args_line: str, extra: str = "") -> str:
+    m = machine
+    lines = [f"Machine: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, GPU {m['gpu']}; {m['os']}, Python {m['python']}.",
+             "Compared: " + "; ".join(describe_target(lbl, f) for lbl, f in targets.items()) + ".",
+             f"Workload: {args_line}; temperature 0, ignore_eos, streaming."]
+    paths = {f.get("model_path") for f in targets.values()}
+    if len(targets) == 2 and len(paths) > 1:
+        lines.append("WARNING: the two servers load different checkpoints, so this is not a same-weights A/B.")
+    if extra:
+        lines.append(extra)
+    return "  \n".join(lines)

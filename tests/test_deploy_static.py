@@ -1,0 +1,692 @@
+"""Static checks of the two-node deployment (docker/, deploy/, docs/deploy.md), with real tools.
+
+- compose files: parsed and validated by Docker Compose itself (`docker-compose config`);
+- Dockerfiles: hadolint; shell scripts (and the Kubernetes command lines): shellcheck;
+- Kubernetes: kubernetes-validate for built-in kinds, and for the LeaderWorkerSet our schema
+  (deploy/schema/) plus each pod template validated as a core/v1 PodTemplateSpec;
+- deploy/entrypoint.sh: its checks and the command it builds, through its --check mode, and
+  that SGLang's own argument parser accepts that command;
+- agreement: the variables the entrypoint reads = the ones documented = the ones in the env
+  files, with the same defaults; versions in docker/versions.env = the project's pins.
+
+The tools come from requirements/tools.txt (section `# deploy`), which scripts/bootstrap.sh
+installs; a missing tool fails its test rather than skipping it. No Docker engine is needed.
+Each validator is also shown a broken input, so a tool that checks nothing cannot pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+DOCKER = ROOT / "docker"
+ENTRYPOINT = DEPLOY / "entrypoint.sh"
+HEALTHCHECK = DEPLOY / "healthcheck.sh"
+SBATCH = DEPLOY / "slurm" / "farskip.sbatch"
+COMPOSE = DEPLOY / "compose.yaml"
+COMPOSE_RDMA = DEPLOY / "compose.rdma.yaml"
+NODE_ENVS = [DEPLOY / "node0.env", DEPLOY / "node1.env"]
+VERSIONS = DOCKER / "versions.env"
+LWS_SCHEMA = DEPLOY / "schema" / "leaderworkerset-v1.schema.json"
+K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
+PLATFORMS = ["rocm", "cuda", "cpu"]
+GPU_SERVICES = {"rocm": "farskip-rocm", "cuda": "farskip-cuda"}
+SHELL_SCRIPTS = [
+    ENTRYPOINT, HEALTHCHECK, SBATCH, DOCKER / "build.sh", DOCKER / "install-farskip.sh",
+]
+# Oldest Kubernetes minor these manifests claim to support (LWS itself needs >= 1.26), and the
+# newest kubernetes-validate knows.
+K8S_VERSIONS = ["1.29", "1.37"]
+IMAGE_ENTRYPOINT = "/opt/sglang-farskip/deploy/entrypoint.sh"
+
+
+# ---------------------------------------------------------------- helpers
+def tool(name: str) -> str:
+    """A validator from the project's venv (or PATH); missing means the set-up was not run."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is not installed: run scripts/bootstrap.sh, which installs "
+                    "requirements/tools.txt (section '# deploy') into .venv")
+    return found
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    kwargs.setdefault("timeout", 60)
+    return subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+
+
+def read_env_file(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(set, commented) KEY -> value, for `KEY=value` and `# KEY=value` lines."""
+    active, commented = {}, {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^([A-Z][A-Z0-9_]*)=(.*)$", line)
+        if m:
+            active[m[1]] = m[2]
+            continue
+        m = re.match(r"^#\s*([A-Z][A-Z0-9_]*)=(\S.*)$", line)
+        if m:
+            commented[m[1]] = m[2]
+    return active, commented
+
+
+def versions() -> dict[str, str]:
+    return read_env_file(VERSIONS)[0]
+
+
+def shell_array(path: Path, name: str) -> list[str]:
+    m = re.search(rf"^{name}=\(([^)]*)\)", path.read_text(), re.M)
+    assert m, f"{path} has no {name}=(...) list"
+    return m[1].split()
+
+
+def entrypoint_vars() -> list[str]:
+    return shell_array(ENTRYPOINT, "FARSKIP_ENV_VARS")
+
+
+def entrypoint_defaults() -> dict[str, str]:
+    """Defaults written as `: "${NAME:=value}"` lines."""
+    return dict(re.findall(r'^: "\$\{([A-Z][A-Z0-9_]*):=(.*)\}"$', ENTRYPOINT.read_text(), re.M))
+
+
+def deploy_doc() -> tuple[Path, str]:
+    """The deployment section: in README.md once merged there, else docs/deploy.md."""
+    for path in (ROOT / "README.md", ROOT / "docs" / "deploy.md"):
+        if path.exists() and re.search(r"^#+ Deploy on two nodes", path.read_text(), re.M):
+            return path, path.read_text()
+    pytest.fail("no 'Deploy on two nodes' section in README.md or docs/deploy.md")
+
+
+def doc_table(heading: str) -> dict[str, str]:
+    """Variable -> Default cell of the table under the heading (up to the next heading)."""
+    path, text = deploy_doc()
+    m = re.search(rf"^#+ {re.escape(heading)}\n(.*?)(?=^#)", text, re.M | re.S)
+    assert m, f"{path}: no section '{heading}'"
+    rows = {}
+    for line in m[1].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", cells[0]):
+                rows[name] = cells[1]
+    assert rows, f"{path}: the section '{heading}' has no variable table"
+    return rows
+
+
+def compose_config(*env_files: Path, files=(COMPOSE,), profiles=(), extra_env=None) -> dict:
+    cmd = [tool("docker-compose")]
+    for f in files:
+        cmd += ["-f", str(f)]
+    for e in env_files:
+        cmd += ["--env-file", str(e)]
+    for p in profiles:
+        cmd += ["--profile", p]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    env.update(extra_env or {})
+    proc = run(cmd + ["config", "--format", "json"], env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"docker-compose config failed:\n{proc.stderr}"
+    # Compose only warns about a variable that is neither set nor defaulted: treat it as an error.
+    assert "variable is not set" not in proc.stderr, proc.stderr
+    return json.loads(proc.stdout)
+
+
+# ---------------------------------------------------------------- compose
+COMPOSE_CASES = {
+    "node0": dict(env_files=(VERSIONS, NODE_ENVS[0])),
+    "node1": dict(env_files=(VERSIONS, NODE_ENVS[1])),
+    "node0-cuda-loadtest": dict(env_files=(VERSIONS, NODE_ENVS[0]),
+                                extra_env={"COMPOSE_PROFILES": "cuda,loadtest"}),
+    "node1-rdma": dict(env_files=(VERSIONS, NODE_ENVS[1]), files=(COMPOSE, COMPOSE_RDMA)),
+    "cpu-demo-loadtest": dict(env_files=(VERSIONS,), profiles=("cpu", "loadtest")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPOSE_CASES))
+def test_compose_files_are_valid(case):
+    spec = COMPOSE_CASES[case]
+    config = compose_config(*spec["env_files"], files=spec.get("files", (COMPOSE,)),
+                            profiles=spec.get("profiles", ()), extra_env=spec.get("extra_env"))
+    assert config["services"], "no service enabled"
+
+
+def test_compose_parser_rejects_a_broken_file(tmp_path):
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(COMPOSE.read_text().replace("network_mode: host", "network_mod: host", 1))
+    proc = run([tool("docker-compose"), "-f", str(broken), "--env-file", str(VERSIONS), "config"])
+    assert proc.returncode != 0 and "network_mod" in proc.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+def test_compose_gpu_service(platform, rank):
+    config = compose_config(VERSIONS, NODE_ENVS[rank], extra_env={"COMPOSE_PROFILES": platform})
+    assert set(config["services"]) == {GPU_SERVICES[platform]}
+    svc = config["services"][GPU_SERVICES[platform]]
+    # Every variable the entrypoint reads is passed through; the platform is fixed per service.
+    assert set(svc["environment"]) == set(entrypoint_vars())
+    assert svc["environment"]["FARSKIP_PLATFORM"] == platform
+    assert svc["environment"]["NODE_RANK"] == str(rank)
+    assert svc["image"] == f"sglang-farskip:{versions()['FARSKIP_VERSION']}-{platform}"
+    assert svc["network_mode"] == "host" and svc["ipc"] == "host"
+    assert int(svc["shm_size"]) >= 16 * 2**30
+    assert svc["ulimits"]["memlock"] == -1
+    assert svc["healthcheck"]["test"] == ["CMD", "/opt/sglang-farskip/deploy/healthcheck.sh"]
+    assert svc["restart"] == "no"
+    if platform == "rocm":
+        assert {d["source"] for d in svc["devices"]} == {"/dev/kfd", "/dev/dri"}
+        assert "video" in svc["group_add"]
+    else:
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def test_compose_rdma_addon_adds_infiniband():
+    config = compose_config(VERSIONS, NODE_ENVS[0], files=(COMPOSE, COMPOSE_RDMA))
+    devices = {d["source"] for d in config["services"]["farskip-rocm"]["devices"]}
+    assert devices == {"/dev/kfd", "/dev/dri", "/dev/infiniband"}
+
+
+def test_compose_loadtest_targets_node0_with_the_bench_locustfile():
+    config = compose_config(VERSIONS, NODE_ENVS[0],
+                            extra_env={"COMPOSE_PROFILES": "rocm,loadtest"})
+    lt = config["services"]["loadtest"]
+    assert lt["image"] == versions()["LOCUST_IMAGE"]
+    assert lt["depends_on"]["farskip-rocm"]["condition"] == "service_healthy"
+    mounts = {v["target"]: Path(v["source"]) for v in lt["volumes"]}
+    assert mounts["/mnt/bench"] == ROOT / "bench"
+    command = lt["command"]
+    locustfile = command[command.index("--locustfile") + 1]
+    assert locustfile == "/mnt/bench/locustfile.py"
+    assert (ROOT / "bench" / "locustfile.py").is_file(), "bench/locustfile.py is missing"
+    port = entrypoint_defaults()["HTTP_PORT"]
+    assert command[command.index("--host") + 1] == f"http://127.0.0.1:{port}"
+    # Every flag passed is locust's own or one the locustfile defines (it may evolve).
+    locust_flags = {"--locustfile", "--host", "--headless", "--users", "--spawn-rate",
+                    "--run-time", "--csv"}
+    own = set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', (ROOT / "bench" / "locustfile.py").read_text()))
+    passed = {a for a in command if a.startswith("--")}
+    assert passed - locust_flags <= own, f"not defined by bench/locustfile.py: {passed - locust_flags - own}"
+
+
+def test_compose_cpu_demo_uses_the_entrypoint_single_node():
+    config = compose_config(VERSIONS, profiles=("cpu",))
+    demo = config["services"]["demo-cpu"]
+    assert demo["image"] == f"sglang-farskip:{versions()['FARSKIP_VERSION']}-cpu"
+    env = demo["environment"]
+    assert (env["NNODES"], env["NODE_RANK"], env["MODEL_PATH"]) == ("1", "0", "demo")
+    assert set(env) <= set(entrypoint_vars())
+    assert "healthcheck" in demo
+
+
+# ---------------------------------------------------------------- Dockerfiles and images
+def dockerfile(platform: str) -> Path:
+    return DOCKER / f"Dockerfile.{platform}"
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_dockerfile_lints_clean(platform):
+    proc = run([tool("hadolint"), "--no-color", "--failure-threshold", "info",
+                str(dockerfile(platform))])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_hadolint_rejects_a_bad_dockerfile():
+    bad = "FROM ubuntu:latest\nRUN cd /tmp && pip install requests\n"
+    proc = run([tool("hadolint"), "--no-color", "-"], input=bad)
+    assert proc.returncode != 0 and "DL3007" in proc.stdout
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_dockerfile_installs_like_every_other_install(platform):
+    text = dockerfile(platform).read_text()
+    assert re.search(rf"^RUN docker/install-farskip\.sh {platform} /opt/sglang-farskip ",
+                     text, re.M)
+    assert f'ENTRYPOINT ["{IMAGE_ENTRYPOINT}"]' in text
+    assert re.search(r"^HEALTHCHECK .*\n\s+CMD \[\"/opt/sglang-farskip/deploy/healthcheck\.sh\"\]",
+                     text, re.M)
+    assert f"ENV FARSKIP_PLATFORM={platform}" in text
+    # The base image comes from a build argument, i.e. from docker/versions.env.
+    (base,) = re.findall(r"^FROM \$\{(\w+)\}$", text, re.M)
+    assert base in versions()
+    # The image copies the context, which its .dockerignore allow-list filters: that list must
+    # let through what the image runs and installs. (patches/ may be absent: nothing to apply.)
+    copies = re.findall(r"^COPY (.+)$", text, re.M)
+    assert copies[-1] == ". .", f"Dockerfile.{platform} must COPY the filtered context"
+    ignore = (DOCKER / f"Dockerfile.{platform}.dockerignore").read_text().splitlines()
+    assert "*" in ignore, "the .dockerignore must exclude everything, then allow-list"
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    needed = {"pyproject.toml", "README.md", "python", "patches", "deploy/entrypoint.sh",
+              "deploy/healthcheck.sh", "docker/install-farskip.sh"}
+    if platform == "cpu":
+        needed.add("requirements/cpu.txt")
+    assert needed <= allowed, f"not let through: {needed - allowed}"
+    for path in needed - {"patches"}:
+        assert (ROOT / path).exists(), f"Dockerfile.{platform} needs {path}, which is missing"
+    for src in (c.split()[0] for c in copies[:-1]):
+        assert src in allowed and (ROOT / src).exists(), src
+
+
+def test_install_script_keeps_torch_and_applies_patches_with_the_one_command():
+    text = (DOCKER / "install-farskip.sh").read_text()
+    assert '"${pip[@]}" --no-deps "$src"' in text
+    assert '"$python" -m sglang_farskip.patches apply' in text
+
+
+def test_dockerignore_files_are_identical():
+    texts = {(DOCKER / f"Dockerfile.{p}.dockerignore").read_text() for p in PLATFORMS}
+    assert len(texts) == 1
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_build_script_passes_exactly_the_versions(platform):
+    proc = run([str(DOCKER / "build.sh"), platform, "--print"])
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    passed = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "--build-arg")
+    declared = set(re.findall(r"^ARG (\w+)", dockerfile(platform).read_text(), re.M))
+    assert set(passed) == declared
+    assert all(passed[k] == versions()[k] for k in passed)
+    assert argv[argv.index("-t") + 1] == f"sglang-farskip:{versions()['FARSKIP_VERSION']}-{platform}"
+
+
+def test_versions_file_matches_the_project_pins():
+    v = versions()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"sglang=={v["SGLANG_VERSION"]}"' in pyproject
+    assert f'"torch=={v["TORCH_VERSION"]}"' in pyproject
+    assert re.search(rf'^version = "{re.escape(v["FARSKIP_VERSION"])}"$', pyproject, re.M)
+    bootstrap = (ROOT / "scripts" / "bootstrap.sh").read_text()
+    assert f"torchvision=={v['TORCHVISION_VERSION']}" in bootstrap
+    for key in ("SGLANG_CUDA_IMAGE", "SGLANG_ROCM_IMAGE"):
+        assert f":v{v['SGLANG_VERSION']}-" in v[key], f"{key} is not SGLang {v['SGLANG_VERSION']}"
+    assert "mi30x" in v["SGLANG_ROCM_IMAGE"], "MI300X/MI325X need the gfx942 (mi30x) build"
+    # If the bench tools pin locust, the load-test image must be the same version.
+    m = re.search(r"^locust==(\S+)", (ROOT / "requirements" / "tools.txt").read_text(), re.M)
+    if m:
+        assert v["LOCUST_IMAGE"].endswith(f":{m[1]}")
+    # Only KEY=VALUE and whole-line comments: docker/build.sh and compose both read it.
+    for line in VERSIONS.read_text().splitlines():
+        assert not line or line.startswith("#") or re.fullmatch(r"[A-Z][A-Z0-9_]*=\S+", line), line
+
+
+# ---------------------------------------------------------------- Kubernetes
+def k8s_docs() -> list[tuple[Path, dict]]:
+    return [(f, d) for f in K8S_FILES for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def lws_docs() -> list[tuple[Path, dict]]:
+    return [(f, d) for f, d in k8s_docs() if d["kind"] == "LeaderWorkerSet"]
+
+
+def validate_lws(doc: dict) -> None:
+    """Raises if the LeaderWorkerSet or one of its pod templates is invalid."""
+    import jsonschema
+    import kubernetes_validate
+
+    jsonschema.Draft202012Validator(json.loads(LWS_SCHEMA.read_text())).validate(doc)
+    templates = doc["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        if role in templates:
+            wrapped = {"apiVersion": "v1", "kind": "PodTemplate",
+                       "metadata": {"name": f"{doc['metadata']['name']}-{role.lower()}"},
+                       "template": templates[role]}
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(wrapped, version, strict=True)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_k8s_builtin_kinds_validate(version):
+    proc = run([tool("kubernetes-validate"), "--strict", "-k", version] + [str(f) for f in K8S_FILES])
+    assert proc.returncode == 0 and "ERROR" not in proc.stdout, proc.stdout + proc.stderr
+    kinds = {d["kind"] for _, d in k8s_docs()}
+    assert {"ConfigMap", "Service", "LeaderWorkerSet"} <= kinds
+
+
+def test_k8s_validator_rejects_a_broken_service(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {portz: []}\n")
+    proc = run([tool("kubernetes-validate"), "--strict", str(bad)])
+    assert proc.returncode != 0 and "portz" in proc.stdout
+
+
+@pytest.mark.parametrize("path", [f.name for f, _ in lws_docs()])
+def test_leaderworkerset_validates(path):
+    (doc,) = [d for f, d in lws_docs() if f.name == path]
+    validate_lws(doc)
+
+
+@pytest.mark.parametrize("breakage", ["unknown spec key", "size as string", "bad restart policy",
+                                      "unknown container field", "missing workerTemplate"])
+def test_leaderworkerset_validation_rejects_broken_manifests(breakage):
+    import jsonschema
+    import kubernetes_validate
+
+    doc = copy.deepcopy(lws_docs()[0][1])
+    lwt = doc["spec"]["leaderWorkerTemplate"]
+    if breakage == "unknown spec key":
+        doc["spec"]["groupSize"] = 2
+    elif breakage == "size as string":
+        lwt["size"] = "2"
+    elif breakage == "bad restart policy":
+        lwt["restartPolicy"] = "Always"
+    elif breakage == "unknown container field":
+        lwt["workerTemplate"]["spec"]["containers"][0]["cmd"] = ["x"]
+    else:
+        del lwt["workerTemplate"]
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        validate_lws(doc)
+
+
+@pytest.mark.parametrize("path", [f.name for f, _ in lws_docs()])
+def test_leaderworkerset_matches_the_other_launchers(path):
+    (doc,) = [d for f, d in lws_docs() if f.name == path]
+    platform = re.fullmatch(r"lws-(rocm|cuda)\.yaml", path)[1]
+    (configmap,) = [d for _, d in k8s_docs() if d["kind"] == "ConfigMap"]
+    (service,) = [d for _, d in k8s_docs() if d["kind"] == "Service"]
+    settings = configmap["data"]
+    assert set(settings) <= set(entrypoint_vars())
+    lwt = doc["spec"]["leaderWorkerTemplate"]
+    assert lwt["size"] == int(entrypoint_defaults()["NNODES"])
+    assert doc["spec"]["startupPolicy"] == "LeaderCreated"
+    port = int(settings.get("HTTP_PORT", entrypoint_defaults()["HTTP_PORT"]))
+    assert service["spec"]["ports"][0]["targetPort"] == port
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/name"] == doc["metadata"]["name"]
+    gpu_resource = {"rocm": "amd.com/gpu", "cuda": "nvidia.com/gpu"}[platform]
+    for role in ("leaderTemplate", "workerTemplate"):
+        (container,) = lwt[role]["spec"]["containers"]
+        assert container["image"].endswith(f":{versions()['FARSKIP_VERSION']}-{platform}")
+        assert container["command"][:2] == ["/bin/bash", "-c"]
+        assert container["command"][2].endswith(f"exec {IMAGE_ENTRYPOINT}")
+        assert container["resources"]["limits"][gpu_resource] == 8
+        assert lwt[role]["spec"]["hostNetwork"] is True
+    leader = lwt["leaderTemplate"]["spec"]["containers"][0]
+    assert leader["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
+
+
+# ---------------------------------------------------------------- shell
+def k8s_command_scripts() -> list[str]:
+    scripts = []
+    for _, doc in lws_docs():
+        for role in ("leaderTemplate", "workerTemplate"):
+            for c in doc["spec"]["leaderWorkerTemplate"][role]["spec"]["containers"]:
+                scripts.append(c["command"][2])
+    return scripts
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck(script):
+    proc = run([tool("shellcheck"), "--shell=bash", "--severity=style", str(script)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+
+
+def test_shellcheck_kubernetes_command_lines():
+    for script in k8s_command_scripts():
+        proc = run([tool("shellcheck"), "--shell=bash", "-"], input=script + "\n")
+        assert proc.returncode == 0, proc.stdout
+
+
+def test_shellcheck_rejects_a_bad_script():
+    proc = run([tool("shellcheck"), "--shell=bash", "-"], input="rm -rf $dir/build\n")
+    assert proc.returncode != 0 and "SC2086" in proc.stdout
+
+
+def test_slurm_job_is_two_nodes_through_the_entrypoint():
+    text = SBATCH.read_text()
+    assert re.search(r"^#SBATCH --nodes=2$", text, re.M)
+    assert re.search(r"^#SBATCH --ntasks-per-node=1$", text, re.M)
+    assert "--kill-on-bad-exit=1" in text
+    assert 'entrypoint="$repo/deploy/entrypoint.sh"' in text
+    assert f"entrypoint={IMAGE_ENTRYPOINT}" in text
+
+
+# ---------------------------------------------------------------- entrypoint behaviour
+@pytest.fixture
+def model(tmp_path) -> Path:
+    path = tmp_path / "DeepSeek-V3-FarSkip"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def good_env(model: Path, **overrides) -> dict[str, str]:
+    """A valid two-node setting on this machine: both "nodes" on loopback."""
+    env = {
+        "PATH": os.environ["PATH"], "FARSKIP_PYTHON": sys.executable,
+        "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "NET_IFNAME": "lo",
+        "MODEL_PATH": str(model), "FARSKIP_PLATFORM": "rocm",
+    }
+    env.update(overrides)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def check(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return run(["bash", str(ENTRYPOINT), "--check", *args], env=env, timeout=30)
+
+
+def command_of(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode == 0, proc.stderr
+    return shlex.split(proc.stdout.strip().splitlines()[-1])
+
+
+def settings_of(proc: subprocess.CompletedProcess) -> dict[str, str]:
+    lines = proc.stdout.strip().splitlines()[:-1]
+    return {k: shlex.split(v)[0] if v else "" for k, v in (line.split("=", 1) for line in lines)}
+
+
+def flag(argv: list[str], name: str) -> str:
+    assert argv.count(name) == 1, f"{name} appears {argv.count(name)} times in {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def test_entrypoint_builds_the_two_node_command(model):
+    proc = check(good_env(model))
+    argv = command_of(proc)
+    assert argv[:3] == [sys.executable, "-m", "sglang_farskip.launch_server"]
+    expected = {
+        "--farskip-mode": "overlap", "--model-path": str(model), "--tp-size": "16",
+        "--ep-size": "16", "--moe-a2a-backend": "none", "--nnodes": "2", "--node-rank": "1",
+        "--dist-init-addr": "127.0.0.1:50000", "--dist-timeout": "300", "--host": "0.0.0.0",
+        "--port": "30000",
+    }
+    assert {k: flag(argv, k) for k in expected} == expected
+    assert "--cuda-graph-backend-prefill" not in argv
+    settings = settings_of(proc)
+    assert settings["GLOO_SOCKET_IFNAME"] == settings["NCCL_SOCKET_IFNAME"] == "lo"
+    assert settings["SGLANG_HOST_IP"] == "127.0.0.1"
+    assert settings["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert settings["NCCL_DEBUG"] == "WARN"
+
+
+def test_entrypoint_platform_defaults_and_extra_flags(model):
+    env = good_env(model, FARSKIP_PLATFORM="cuda", NODE_RANK="0", DIST_TIMEOUT="60",
+                   EXTRA_ARGS="--mem-fraction-static 0.85")
+    argv = command_of(check(env, "--log-level", "debug"))
+    assert flag(argv, "--cuda-graph-backend-prefill") == "disabled"
+    assert flag(argv, "--dist-timeout") == "60"
+    # EXTRA_ARGS, then the arguments, come last, so they win over the generated flags.
+    assert argv[-4:] == ["--mem-fraction-static", "0.85", "--log-level", "debug"]
+
+
+def test_entrypoint_single_node_demo(model):
+    env = good_env(model, NNODES="1", NODE_RANK="0", MASTER_ADDR=None, NET_IFNAME=None,
+                   MODEL_PATH="demo", TP_SIZE="1", EP_SIZE="1", FARSKIP_PLATFORM="cpu")
+    argv = command_of(check(env))
+    assert "--model-path" not in argv and "--dist-init-addr" not in argv
+    assert flag(argv, "--nnodes") == "1"
+
+
+def test_entrypoint_ipv6_master_is_bracketed(model):
+    argv = command_of(check(good_env(model, MASTER_ADDR="::1")))
+    assert flag(argv, "--dist-init-addr") == "[::1]:50000"
+
+
+def test_entrypoint_dry_run_variable_prints_instead_of_starting(model):
+    env = good_env(model, FARSKIP_DRY_RUN="1")
+    proc = run(["bash", str(ENTRYPOINT)], env=env, timeout=30)
+    assert command_of(proc)[1:3] == ["-m", "sglang_farskip.launch_server"]
+
+
+def test_sglang_accepts_the_generated_commands(model):
+    """The flags exist in the pinned SGLang and parse to the intended values."""
+    commands = []
+    for platform in ("rocm", "cuda"):
+        for rank in ("0", "1"):
+            argv = command_of(check(good_env(model, FARSKIP_PLATFORM=platform, NODE_RANK=rank)))
+            commands.append(argv[3:])
+    probe = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+from sglang_farskip.launch_server import _split_own_flags
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+out = []
+for argv in json.loads(sys.argv[1]):
+    own, rest = _split_own_flags(argv)
+    ns = parser.parse_args(rest)
+    out.append([own.farskip_mode, ns.tp_size, ns.ep_size, ns.nnodes, ns.node_rank,
+                ns.dist_init_addr, ns.dist_timeout, ns.moe_a2a_backend, ns.port])
+print(json.dumps(out))
+"""
+    proc = run([sys.executable, "-c", probe, json.dumps(commands)], cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parsed = json.loads(proc.stdout.strip().splitlines()[-1])
+    for row, rank in zip(parsed, [0, 1, 0, 1]):
+        assert row == ["overlap", 16, 16, 2, rank, "127.0.0.1:50000", 300, "none", 30000]
+
+
+ERROR_CASES = {
+    # name: (overrides, variable the one error line must name)
+    "missing NODE_RANK": ({"NODE_RANK": None}, "NODE_RANK"),
+    "NODE_RANK not a number": ({"NODE_RANK": "one"}, "NODE_RANK"),
+    "NODE_RANK >= NNODES": ({"NODE_RANK": "2"}, "NODE_RANK"),
+    "NNODES not a number": ({"NNODES": "two"}, "NNODES"),
+    "missing MASTER_ADDR": ({"MASTER_ADDR": None}, "MASTER_ADDR"),
+    "MASTER_ADDR with a port": ({"MASTER_ADDR": "10.0.0.1:5000"}, "MASTER_ADDR"),
+    "MASTER_ADDR with a bad port": ({"MASTER_ADDR": "10.0.0.1:abc"}, "MASTER_ADDR"),
+    "MASTER_ADDR malformed": ({"MASTER_ADDR": "node 0!"}, "MASTER_ADDR"),
+    "MASTER_ADDR does not resolve": ({"MASTER_ADDR": "node0.invalid"}, "MASTER_ADDR"),
+    "MASTER_PORT out of range": ({"MASTER_PORT": "70000"}, "MASTER_PORT"),
+    "HTTP_PORT = MASTER_PORT": ({"HTTP_PORT": "50000"}, "MASTER_PORT"),
+    "TP_SIZE not a number": ({"TP_SIZE": "sixteen"}, "TP_SIZE"),
+    "EP_SIZE zero": ({"EP_SIZE": "0"}, "EP_SIZE"),
+    "TP_SIZE not divisible by NNODES": ({"TP_SIZE": "15", "EP_SIZE": "15"}, "TP_SIZE"),
+    "EP_SIZE does not divide TP_SIZE": ({"EP_SIZE": "3"}, "EP_SIZE"),
+    "DIST_TIMEOUT negative": ({"DIST_TIMEOUT": "-5"}, "DIST_TIMEOUT"),
+    "missing MODEL_PATH": ({"MODEL_PATH": None}, "MODEL_PATH"),
+    "MODEL_PATH missing": ({"MODEL_PATH": "/nonexistent/DeepSeek-V3"}, "MODEL_PATH"),
+    "MODEL_PATH without config.json": ({"MODEL_PATH": "/"}, "MODEL_PATH"),
+    "unknown FARSKIP_MODE": ({"FARSKIP_MODE": "fast"}, "FARSKIP_MODE"),
+    "missing NET_IFNAME": ({"NET_IFNAME": None}, "NET_IFNAME"),
+    "NET_IFNAME not on this machine": ({"NET_IFNAME": "farskip-no-such0"}, "NET_IFNAME"),
+    "GLOO_SOCKET_IFNAME not on this machine": ({"GLOO_SOCKET_IFNAME": "lo,nope9"}, "GLOO_SOCKET_IFNAME"),
+    "NCCL_SOCKET_IFNAME matches nothing": ({"NCCL_SOCKET_IFNAME": "=lo0"}, "NCCL_SOCKET_IFNAME"),
+    "unknown FARSKIP_PLATFORM": ({"FARSKIP_PLATFORM": "tpu"}, "FARSKIP_PLATFORM"),
+    "FARSKIP_PYTHON missing": ({"FARSKIP_PYTHON": "/nonexistent/python3"}, "FARSKIP_PYTHON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_entrypoint_rejects(case, model):
+    overrides, variable = ERROR_CASES[case]
+    proc = check(good_env(model, **overrides))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "", "printed a command despite the error"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    assert variable in errors[0]
+    # The line says what to do, not only what is wrong.
+    assert re.search(r"\b(set|use|unset|point|mount|give|fix|pass)\b", errors[0]), errors[0]
+
+
+def test_entrypoint_reports_every_problem_at_once(model):
+    proc = check(good_env(model, NODE_RANK=None, FARSKIP_MODE="fast", MASTER_PORT="0"))
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 3
+
+
+def test_entrypoint_bad_dry_run_value_never_starts(model):
+    env = good_env(model, FARSKIP_DRY_RUN="yes")
+    proc = run(["bash", str(ENTRYPOINT)], env=env, timeout=30)
+    assert proc.returncode == 2 and "FARSKIP_DRY_RUN" in proc.stderr
+
+
+# ---------------------------------------------------------------- docs, env files, defaults
+SHELL_BUILTIN_VARS = {"BASH_SOURCE", "BASH_REMATCH", "SECONDS", "PATH", "IFS"}
+
+
+def test_entrypoint_declares_every_variable_it_reads():
+    text = ENTRYPOINT.read_text()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    code = re.sub(r"<<'PY'\n.*?\nPY\n", "", code, flags=re.S)  # the embedded Python
+    referenced = set(re.findall(r"\$\{!?([A-Z][A-Z0-9_]*)", code))
+    referenced |= set(re.findall(r"\$([A-Z][A-Z0-9_]*)", code))
+    declared = set(entrypoint_vars())
+    assert referenced - SHELL_BUILTIN_VARS - {"FARSKIP_ENV_VARS"} == declared
+    assert set(entrypoint_defaults()) <= declared
+
+
+def test_documented_variables_are_the_variables_read():
+    documented = doc_table("Variables read by deploy/entrypoint.sh")
+    assert set(documented) == set(entrypoint_vars())
+    for name, default in entrypoint_defaults().items():
+        default = re.sub(r"\$\{(\w+):-\}", r"$\1", default)  # ${NET_IFNAME:-} reads $NET_IFNAME
+        assert documented[name].startswith(f"`{default}`"), (
+            f"{name}: entrypoint default {default!r}, docs say {documented[name]!r}")
+    # The health check reads a subset of the same variables.
+    assert set(shell_array(HEALTHCHECK, "FARSKIP_HEALTH_VARS")) <= set(entrypoint_vars())
+    slurm = doc_table("Variables read by deploy/slurm/farskip.sbatch")
+    assert set(shell_array(SBATCH, "FARSKIP_SLURM_VARS")) == set(slurm)
+
+
+@pytest.mark.parametrize("env_file", NODE_ENVS, ids=lambda p: p.name)
+def test_env_file_lists_every_variable_with_the_defaults(env_file):
+    active, commented = read_env_file(env_file)
+    defaults = entrypoint_defaults()
+    for name in entrypoint_vars():
+        assert name in active or name in commented, f"{env_file.name} does not mention {name}"
+        shown = active.get(name, commented.get(name))
+        if name in defaults and "$" not in defaults[name]:
+            assert shown == defaults[name], (
+                f"{env_file.name}: {name}={shown}, the entrypoint's default is {defaults[name]}")
+    assert active["NODE_RANK"] == env_file.stem.removeprefix("node")
+    # No inline comments: compose would read them as part of the value.
+    for line in env_file.read_text().splitlines():
+        assert not re.match(r"^[A-Z][A-Z0-9_]*=.*\s#", line), line
+
+
+def test_node_env_files_differ_only_in_node_rank():
+    a, b = (read_env_file(p) for p in NODE_ENVS)
+    for (one, other) in zip(a, b):
+        assert {k: v for k, v in one.items() if k != "NODE_RANK"} == \
+               {k: v for k, v in other.items() if k != "NODE_RANK"}
+
+
+def test_compose_variables_are_documented_and_listed():
+    used = set()
+    for f in (COMPOSE, COMPOSE_RDMA):
+        used |= set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", f.read_text()))
+    documented = set(doc_table("Variables read by deploy/compose.yaml"))
+    documented |= set(doc_table("Variables read by deploy/entrypoint.sh"))
+    assert used - documented == set()
+    listed = set(versions())
+    for env_file in NODE_ENVS:
+        active, commented = read_env_file(env_file)
+        listed |= set(active) | set(commented)
+    assert used - listed == set()
+    compose_doc = doc_table("Variables read by deploy/compose.yaml")
+    active, commented = read_env_file(NODE_ENVS[0])
+    for name in compose_doc:
+        assert name in versions() or name in active or name in commented, name
