@@ -68,7 +68,7 @@ def _fail_startup(message: str) -> None:
 
 def random_prompts(input_len: int, vocab_size: int, skip_ids: str, seed: int):
     """seq -> prompt of random token ids. Each request number gets its own ids, derived from
-    (seed, seq) alone: no two requests share a prefix (so the server's prefix cache cannot
+    (seed, seq) alone: requests practically never share a prefix (the prefix cache cannot
     flatter TTFT), and an A/B pair sends identical prompts in identical order."""
     if input_len < 1:
         _fail_startup(f"--input-len {input_len}: random prompts need at least 1 token")
@@ -112,7 +112,7 @@ def _on_init(environment, **_):
     if opts is None:  # locust used as a library: the caller sets _Run up itself
         return
     if opts.max_tokens < 0:
-        _fail_startup(f"--max-tokens {opts.max_tokens} is negative: pass a token count >= 1")
+        _fail_startup(f"--max-tokens {opts.max_tokens} is negative: pass a token count (0 only with --endpoint generate)")
     if opts.prompts_file and opts.input_len:
         _fail_startup("pass either --prompts-file or --input-len (random prompts), not both")
     if opts.prompts_file:
@@ -310,8 +310,8 @@ class StreamingUser(User):
     def stream_one(self):
         limit = self.opts.max_requests
         if limit and _Run.issued >= limit:
-            # Park until the last request ends and the runner quits (a StopUser here makes
-            # locust log a spurious error when it later stops the remaining users).
+            # Park until the last request ends; the runner is quitting by then. (A StopUser
+            # here makes locust log a spurious error when it later stops the other users.)
             _Run.all_done.wait()
             return
         _Run.issued += 1  # gevent switches only on I/O, so this check-and-add is atomic

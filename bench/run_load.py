@@ -34,7 +34,7 @@ import loadstats  # noqa: E402
 import report  # noqa: E402
 import servermetrics  # noqa: E402
 import workload  # noqa: E402
-from servers import BenchError, check_reachable, describe_target, machine_facts, server_facts, warm_up  # noqa: E402
+from servers import BenchError, check_reachable, machine_facts, make_note, server_facts, warm_up  # noqa: E402
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LABEL_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # labels become file names
@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise BenchError("--saved compares finished runs: drop --url/--target, or drop --saved")
     if saved and len(saved) != 2:
         raise BenchError(f"--saved needs exactly two runs (got {len(saved)}): --saved a=DIR --saved b=DIR")
-    if not saved and not targets:
+    if not saved and not targets and not args.write_prompts:
         raise BenchError("nothing to test: pass --url URL, or --target LABEL=URL (twice for A/B)")
     if len(targets) > 2:
         raise BenchError(f"{len(targets)} targets given: a run compares at most two (A/B)")
@@ -200,6 +200,7 @@ def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_a
         raise BenchError(f"{name}: locust counted {level['locust']} but {records} holds "
                          f"{len(recs)} records, {level['client']['failed']} failed: records were lost")
     if interrupted:
+        level["interrupted"] = True
         level["note"] = "stopped early by a signal; later levels were not run"
     elif args.requests is not None and len(recs) < args.requests:
         level["note"] = f"stopped by --level-timeout after {len(recs)} of {args.requests} requests"
@@ -280,9 +281,9 @@ def run(args) -> dict:
         order = args.targets if index % 2 == 0 else args.targets[::-1]
         for label, url in order:
             levels.append(run_level(label, url, concurrency, index, args, prompt_args, out))
-            if "signal" in levels[-1].get("note", ""):
+            if levels[-1].get("interrupted"):
                 break
-        if "signal" in levels[-1].get("note", ""):
+        if levels[-1].get("interrupted"):
             break
     labels = [label for label, _ in args.targets]
     interleave = " Levels ran interleaved, alternating which server went first." if len(labels) == 2 else ""

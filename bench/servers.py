@@ -76,7 +76,7 @@ def machine_facts() -> dict:
     if shutil.which("nvidia-smi"):
         q = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                            capture_output=True, text=True, timeout=20)
-        gpu = ", ".join(q.stdout.split("\n")).strip(", ") or "none"
+        gpu = ", ".join(line.strip() for line in q.stdout.splitlines() if line.strip()) or "none"
     return {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": mem_gib, "gpu": gpu,
             "os": platform.platform(), "python": platform.python_version()}
 
@@ -97,13 +97,21 @@ def warm_up(url: str, args, n: int) -> None:
         except urllib.error.HTTPError as e:
             raise BenchError(f"warm-up request to {url}{path} failed: HTTP {e.code} "
                              f"{e.read()[:300].decode(errors='replace')}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise BenchError(f"warm-up request to {url}{path} failed ({getattr(e, 'reason', e)}); "
+                             "check the server's log, or skip warm-up with --warmup 0") from None
 
 
 def describe_target(label: str, facts: dict) -> str:
     mode = facts.get("farskip_mode")
-    what = f"FarSkip mode `{mode}`" + (f" ({facts['farskip']})" if mode != "off" and facts.get("farskip") else "") \
-        if mode else "not a sglang-farskip server (no /farskip/info)"
-    return f"**{label}** = {facts['url']}: {what}, SGLang {facts.get('version', '?')}, model `{facts.get('model_path', '?')}`"
+    if not mode:
+        what = "not a sglang-farskip server (no /farskip/info)"
+    elif mode == "off" or not facts.get("farskip"):
+        what = f"FarSkip mode `{mode}`"
+    else:
+        what = f"FarSkip mode `{mode}` ({facts['farskip']})"
+    return (f"**{label}** = {facts['url']}: {what}, SGLang {facts.get('version', '?')}, "
+            f"model `{facts.get('model_path', '?')}`")
 
 
 def make_note(machine: dict, targets: dict, args_line: str, extra: str = "") -> str:

@@ -10,7 +10,7 @@ python="${PYTHON:-python3}"
 
 stamp_inputs() {
   cat "$root/requirements/cpu.txt" "$root/requirements/tools.txt" "$root/pyproject.toml" \
-    "$root/scripts/bootstrap.sh"
+    "$root/scripts/bootstrap.sh" "$root"/patches/*.patch 2>/dev/null
   echo "$root"
 }
 want="$(stamp_inputs | sha256sum | cut -d' ' -f1)"
@@ -52,6 +52,9 @@ fi
 # The stand-in goes *after* site-packages on sys.path, so a real sgl_kernel always wins.
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$root/python/cpu_shim" > "$site/zz_sglang_farskip_cpu_shim.pth"
+
+# Edits to SGLang that no plugin can make (patches/README.md); fails loudly if one is stale.
+"$venv/bin/python" -m sglang_farskip.patches apply >&2
 
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md, sys
