@@ -4,13 +4,14 @@
 # dependency set in requirements/cpu.txt, this package (editable), and the sgl_kernel CPU
 # stand-in. Idempotent: a stamp of the inputs skips work that is already done.
 set -euo pipefail
+shopt -s nullglob  # an empty patches/ is fine
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 python="${PYTHON:-python3}"
 
 stamp_inputs() {
   cat "$root/requirements/cpu.txt" "$root/requirements/tools.txt" "$root/pyproject.toml" \
-    "$root/scripts/bootstrap.sh" "$root"/patches/*.patch 2>/dev/null
+    "$root/scripts/bootstrap.sh" "$root"/patches/*.patch
   echo "$root"
 }
 want="$(stamp_inputs | sha256sum | cut -d' ' -f1)"
