@@ -1,0 +1,311 @@
+"""FarSkip overlap on CPU, measured: overlap vs sync vs off, side by side in one run.
+
+    sudo .venv/bin/python bench/overlap_bench.py --link loopback
+    sudo .venv/bin/python bench/overlap_bench.py --link shaped --rate 20mbit
+
+Each mode gets its own TP=2 server on the tiny demo model (the same weights), started one
+after another (two idle TP servers busy-poll the 2 cores), and the same workload:
+- TTFT: serial single requests of --prompt-len random tokens (no prefix-cache hits), 1 token;
+- ITL: --batch concurrent streams decoding --decode-tokens tokens each.
+In overlap and sync mode the server records, per collective, its duration and how long the
+caller was blocked waiting (comm.OverlapProfiler); from rank 0's record:
+    hidden = 1 - blocked / duration                                  (overlap mode)
+    f      = blocked / wall time of the phase                        (sync mode; every
+             collective blocks there, so this is the exposed-communication share of a step)
+    bound  = 1 / (1 - f)                  best speed-up that perfect overlap could give
+
+--link loopback: both ranks in one node, gloo over 127.0.0.1.
+--link shaped:   two "nodes" (nnodes 2, one rank each) in two network namespaces joined by a
+                 veth pair, each end rate-limited with `tc qdisc ... tbf`, each node with its
+                 own /dev/shm; made here and removed afterwards (needs root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+NS = ("fsbench0", "fsbench1")
+VETH = ("fsb-veth0", "fsb-veth1")
+ADDR = ("10.250.0.1", "10.250.0.2")  # the two namespaces this script creates, nothing else
+
+
+# ------------------------------------------------------------------ client (runs in node 0's netns)
+def _stream_tokens(url: str, ids: list[int], max_new: int) -> list[float]:
+    """Arrival times of each streamed token chunk (/generate, stream)."""
+    body = json.dumps({"input_ids": ids, "stream": True,
+                       "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
+                                           "ignore_eos": True}}).encode()
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    times, seen = [], 0
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line.endswith(b"[DONE]"):
+                continue
+            n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+            now = time.perf_counter() - start
+            times.extend([now] * (n - seen))  # a multi-token chunk: tokens arrive together
+            seen = n
+    return times
+
+
+def client(args) -> dict:
+    rng = random.Random(args.seed)
+    prompt = lambda n: [0] + [rng.randrange(2, 4000) for _ in range(n - 1)]  # noqa: E731
+    _stream_tokens(args.url, prompt(16), 4)  # warm-up
+    if args.phase == "ttft":
+        t0 = time.perf_counter()
+        ttfts = [_stream_tokens(args.url, prompt(args.prompt_len), 1)[0] for _ in range(args.repeats)]
+        return {"ttft_s": statistics.median(ttfts), "wall_s": time.perf_counter() - t0}
+    gaps, lock = [], threading.Lock()
+
+    def one():
+        times = _stream_tokens(args.url, prompt(8), args.decode_tokens)
+        with lock:
+            gaps.extend(b - a for a, b in zip(times, times[1:]))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one) for _ in range(args.batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"itl_s": statistics.median(gaps), "wall_s": time.perf_counter() - t0}
+
+
+# ------------------------------------------------------------------ orchestration
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True)
+
+
+@contextlib.contextmanager
+def shaped_link(rate: str):
+    if os.geteuid() != 0:
+        sys.exit("error: --link shaped creates network namespaces and needs root (run with sudo)")
+    teardown()
+    try:
+        for ns in NS:
+            sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
+        for i in (0, 1):
+            sh("ip", "link", "set", VETH[i], "netns", NS[i])
+            sh("ip", "-n", NS[i], "addr", "add", f"{ADDR[i]}/24", "dev", VETH[i])
+            sh("ip", "-n", NS[i], "link", "set", VETH[i], "up")
+            sh("ip", "-n", NS[i], "link", "set", "lo", "up")
+            # Both directions shaped; burst >= rate/HZ so tbf can reach the rate.
+            sh("tc", "-n", NS[i], "qdisc", "add", "dev", VETH[i], "root", "tbf",
+               "rate", rate, "burst", "64kb", "latency", "50ms")
+        yield
+    finally:
+        teardown()
+
+
+def teardown() -> None:
+    for ns in NS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Deployment:
+    """One TP=2 FarSkip server in one mode, on loopback or across the two namespaces."""
+
+    def __init__(self, link: str, mode: str, model: str, profile_dir: Path, log_dir: Path, extra: list[str]):
+        self.link, self.port, self.procs = link, free_port(), []
+        common = ["--model-path", model, "--farskip-mode", mode, "--tp", "2",
+                  "--farskip-profile-dir", str(profile_dir), "--max-running-requests", "128", *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if link == "loopback":
+            self._spawn([PY, "-m", "sglang_farskip.launch_server", "--host", "127.0.0.1",
+                         "--port", str(self.port), *common], env, log_dir / f"{mode}.log")
+            return
+        init = f"{ADDR[0]}:{free_port()}"
+        for rank in (0, 1):
+            node = [PY, "-m", "sglang_farskip.launch_server", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--nnodes", "2", "--node-rank", str(rank),
+                    "--dist-init-addr", init, "--dist-timeout", "120", *common]
+            # Each node: its own netns and its own /dev/shm (SGLang probes shared memory to
+            # decide whether ranks share a host).
+            inner = "mount -t tmpfs tmpfs /dev/shm && exec " + " ".join(map(_quote, node))
+            cmd = ["ip", "netns", "exec", NS[rank], "unshare", "-m", "sh", "-c", inner]
+            self._spawn(cmd, {**env, "SGLANG_HOST_IP": ADDR[rank], "GLOO_SOCKET_IFNAME": VETH[rank]},
+                        log_dir / f"{mode}-node{rank}.log")
+
+    def _spawn(self, cmd, env, log: Path) -> None:
+        self.procs.append(subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                           start_new_session=True, cwd=REPO))
+
+    def prefix(self) -> list[str]:
+        return [] if self.link == "loopback" else ["ip", "netns", "exec", NS[0]]
+
+    def run_client(self, phase: str, args) -> dict:
+        cmd = [*self.prefix(), PY, __file__, "--client", "--url", f"http://127.0.0.1:{self.port}",
+               "--phase", phase, "--prompt-len", str(args.prompt_len), "--repeats", str(args.repeats),
+               "--batch", str(args.batch), "--decode-tokens", str(args.decode_tokens)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if out.returncode != 0:
+            raise RuntimeError(f"client failed: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def wait_ready(self, timeout=600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError("a node exited during start-up; see the logs")
+            probe = [*self.prefix(), "curl", "-sf", f"http://127.0.0.1:{self.port}/health_generate"]
+            if subprocess.run(probe, capture_output=True, timeout=60).returncode == 0:
+                return
+            time.sleep(2)
+        raise TimeoutError("server not ready")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "'\\''") + "'"
+
+
+def profile_delta(path: Path, before: dict) -> dict:
+    now = json.loads(path.read_text()) if path.exists() else {}
+    out = {}
+    for phase in ("prefill", "decode"):
+        comm = sum(v["comm_s"] - before.get(k, {}).get("comm_s", 0) for k, v in now.items() if k.startswith(phase))
+        blocked = sum(v["blocked_s"] - before.get(k, {}).get("blocked_s", 0) for k, v in now.items() if k.startswith(phase))
+        out[phase] = {"comm_s": comm, "blocked_s": blocked}
+    return out
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def measure_mode(link, mode, model, args, work: Path) -> dict:
+    profile_dir = work / f"profile-{mode}"
+    shutil.rmtree(profile_dir, ignore_errors=True)
+    profile_dir.mkdir(parents=True)
+    dep = Deployment(link, mode, model, profile_dir, work, args.server_arg)
+    try:
+        t = time.monotonic()
+        dep.wait_ready()
+        print(f"  [{mode}] ready in {time.monotonic() - t:.0f} s", flush=True)
+        prof = profile_dir / "profile-rank0.json"
+        result = {}
+        for phase, key in (("ttft", "prefill"), ("itl", "decode")):
+            before = read(prof)
+            r = dep.run_client(phase, args)
+            d = profile_delta(prof, before)[key]
+            result.update(r)
+            result[f"{phase}_wall_s"] = r["wall_s"]
+            result[f"{key}_comm_s"], result[f"{key}_blocked_s"] = d["comm_s"], d["blocked_s"]
+            print(f"  [{mode}] {phase}: {r} comm {d['comm_s']:.3f} s blocked {d['blocked_s']:.3f} s", flush=True)
+        return result
+    finally:
+        dep.stop()
+
+
+def report(results: dict, args) -> str:
+    lines = [f"link={args.link}" + (f" rate={args.rate}" if args.link == "shaped" else "")
+             + f" prompt_len={args.prompt_len} batch={args.batch} decode_tokens={args.decode_tokens}"
+             + f" repeats={args.repeats} rounds={args.rounds}",
+             "", "| mode | TTFT ms | ITL ms | prefill comm hidden | decode comm hidden |",
+             "|---|---|---|---|---|"]
+
+    def hidden(r, phase):
+        c, b = r.get(f"{phase}_comm_s", 0), r.get(f"{phase}_blocked_s", 0)
+        return f"{100 * (1 - b / c):.1f}%" if c > 0 else "n/a"
+
+    med = {m: {k: statistics.median(x[k] for x in rs) for k in rs[0] if isinstance(rs[0][k], float)}
+           for m, rs in results.items()}
+    for mode, r in med.items():
+        lines.append(f"| {mode} | {1000 * r['ttft_s']:.1f} | {1000 * r['itl_s']:.2f} | "
+                     f"{hidden(r, 'prefill') if mode == 'overlap' else '-'} | "
+                     f"{hidden(r, 'decode') if mode == 'overlap' else '-'} |")
+    lines.append("")
+    if "sync" in med:
+        s = med["sync"]
+        for phase, wall in (("prefill", "ttft_wall_s"), ("decode", "itl_wall_s")):
+            f = s[f"{phase}_blocked_s"] / s[wall] if s[wall] else 0.0
+            lines.append(f"sync {phase}: exposed communication share f = {f:.2f}, "
+                         f"bound 1/(1-f) = {1 / (1 - f) if f < 1 else float('inf'):.2f}x")
+    for base in ("sync", "off"):
+        if "overlap" in med and base in med:
+            o, b = med["overlap"], med[base]
+            lines.append(f"overlap/{base}: TTFT {o['ttft_s'] / b['ttft_s']:.3f}  ITL {o['itl_s'] / b['itl_s']:.3f}"
+                         f"  (speed-up {b['ttft_s'] / o['ttft_s']:.2f}x / {b['itl_s'] / o['itl_s']:.2f}x)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--link", choices=["loopback", "shaped"], default="loopback")
+    p.add_argument("--rate", default="20mbit", help="tbf rate of each veth end (shaped link)")
+    p.add_argument("--modes", default="sync,overlap,off")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the mode sequence; medians reported")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--model-path", default=None, help="default: the built-in demo checkpoint")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--server-arg", action="append", default=[], help="extra launcher flag (repeatable)")
+    # client mode (internal: runs inside node 0's namespace)
+    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--phase", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.client:
+        print(json.dumps(client(args)))
+        return 0
+
+    model = args.model_path
+    if model is None:
+        from sglang_farskip.demo_model import ensure_demo_checkpoint
+
+        model = str(ensure_demo_checkpoint())
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="farskip-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    modes = args.modes.split(",")
+    results = {m: [] for m in modes}
+    link_ctx = shaped_link(args.rate) if args.link == "shaped" else contextlib.nullcontext()
+    with link_ctx:
+        for rnd in range(args.rounds):
+            for mode in modes:
+                print(f"round {rnd + 1}/{args.rounds}: {mode} ({args.link})", flush=True)
+                results[mode].append(measure_mode(args.link, mode, model, args, work))
+    text = report(results, args)
+    print("\n" + text)
+    (work / "report.md").write_text(text + "\n")
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"\nlogs and results in {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
