@@ -47,6 +47,8 @@ def _add_arguments(parser):
     group.add_argument("--max-requests", type=int, default=0, help="stop after this many requests (0: no limit)")
     group.add_argument("--request-timeout", type=float, default=300.0, help="seconds without data before a request fails")
     group.add_argument("--model", default="default", help="the model name sent to /v1/completions")
+    group.add_argument("--keep-alive", action="store_true",
+                       help="reuse each user's connection (default: a new one per request, as sglang's client)")
 
 
 class _Run:
@@ -278,11 +280,12 @@ class StreamingUser(User):
     wait_time = constant(0)  # closed loop: concurrency = number of users, as --max-concurrency
 
     def on_start(self):
-        self.session = requests.Session()
         self.opts = self.environment.parsed_options
+        self.session = requests.Session() if self.opts.keep_alive else None
 
     def on_stop(self):
-        self.session.close()
+        if self.session is not None:
+            self.session.close()
 
     def _report(self, rec: dict) -> None:
         fire = self.environment.events.request.fire
@@ -322,13 +325,20 @@ class StreamingUser(User):
             prompt = _Run.prompts[seq % len(_Run.prompts)]  # the same order on every run
         rec = new_record(self.opts.endpoint, prompt, self.opts.max_tokens)
         rec["seq"] = seq
+        # By default each request opens its own connection, as sglang.benchmark.serving does
+        # (a new aiohttp session per request): TTFT then includes the connect, and a reused
+        # connection cannot win races for the server's next prefill against another client.
+        session = self.session or requests.Session()
         try:
-            stream_request(self.session, self.host.rstrip("/"), self.opts.endpoint, prompt, rec,
+            stream_request(session, self.host.rstrip("/"), self.opts.endpoint, prompt, rec,
                            self.opts.model, self.opts.request_timeout)
         except gevent.GreenletExit:
             self._write(rec)  # killed mid-request: accounted for as a failure, never dropped
             self._report(rec)
             raise
+        finally:
+            if session is not self.session:
+                session.close()
         self._write(rec)
         self._report(rec)
         _Run.finished += 1

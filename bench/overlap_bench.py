@@ -135,7 +135,9 @@ class Deployment:
     def __init__(self, link: str, mode: str, model: str, profile_dir: Path, log_dir: Path, extra: list[str]):
         self.link, self.port, self.procs = link, free_port(), []
         common = ["--model-path", model, "--farskip-mode", mode, "--tp", "2",
-                  "--farskip-profile-dir", str(profile_dir), "--max-running-requests", "128", *extra]
+                  "--max-running-requests", "128", *extra]
+        if profile_dir is not None:
+            common += ["--farskip-profile-dir", str(profile_dir)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if link == "loopback":
             self._spawn([PY, "-m", "sglang_farskip.launch_server", "--host", "127.0.0.1",
@@ -209,7 +211,7 @@ def measure_mode(link, mode, model, args, work: Path) -> dict:
     profile_dir = work / f"profile-{mode}"
     shutil.rmtree(profile_dir, ignore_errors=True)
     profile_dir.mkdir(parents=True)
-    dep = Deployment(link, mode, model, profile_dir, work, args.server_arg)
+    dep = Deployment(link, mode, model, None if args.no_profile else profile_dir, work, args.server_arg)
     try:
         t = time.monotonic()
         dep.wait_ready()
@@ -273,6 +275,8 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--model-path", default=None, help="default: the built-in demo checkpoint")
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--no-profile", action="store_true",
+                   help="run without the overlap profiler (timings only, no hidden fraction)")
     p.add_argument("--server-arg", action="append", default=[], help="extra launcher flag (repeatable)")
     # client mode (internal: runs inside node 0's namespace)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)

@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     work.add_argument("--dataset-path", help="text dataset: a UTF-8 .txt, or .jsonl with 'text'/'prompt'")
     work.add_argument("--tokenizer", help="checkpoint dir or tokenizer.json (default: the server's)")
     work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--keep-alive", action="store_true",
+                      help="reuse connections (default: one per request, as sglang.benchmark.serving)")
     work.add_argument("--write-prompts", metavar="FILE", help="write the text-dataset prompts and exit")
     p.add_argument("--out", help="output directory (default bench-results/<time>)")
     p.add_argument("--title", help="report title")
@@ -164,6 +166,8 @@ def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_a
         cmd += ["--seed", str(args.seed * 1000 + index)]
     if args.requests is not None:
         cmd += ["--max-requests", str(args.requests)]
+    if args.keep_alive:
+        cmd.append("--keep-alive")
     before = _scrape(url)
     started = time.monotonic()
     hard_limit = run_time + args.stop_timeout + 60
@@ -292,7 +296,8 @@ def run(args) -> dict:
         "title": args.title or (f"A/B load test: {labels[0]} vs {labels[1]}" if len(labels) == 2 else "Load test"),
         "machine": machine_facts(), "targets": facts, "workload_line": workload_line(args),
         "workload": {k: getattr(args, k) for k in ("endpoint", "max_tokens", "input_len", "dataset", "dataset_path",
-                                                   "duration", "requests", "seed", "levels", "warmup")},
+                                                   "duration", "requests", "seed", "levels", "warmup",
+                                                   "keep_alive")},
         "levels": levels,
     }
     results["note"] = make_note(results["machine"], facts, results["workload_line"], interleave.strip())

@@ -119,8 +119,8 @@ def test_bucket_quantile_is_prometheus_interpolation():
 
 def _xc_result(h_ttft, s_ttft, h_itl, s_itl):
     def side(ttft, itl):
-        return {"ttft": ttft, "itl": [g for r in itl for g in r], "itl_by_request": itl,
-                "tpot_p50_ms": 1.0, "e2e_p50_ms": 2.0}
+        return {"requests": len(ttft), "failed": 0, "ttft": ttft, "itl_by_request": itl,
+                "tpot_p50_ms": [1.0], "e2e_p50_ms": [2.0, 4.0]}
     return {"harness": side(h_ttft, h_itl), "sglang": side(s_ttft, s_itl)}
 
 
@@ -132,6 +132,7 @@ def test_crosscheck_verdicts():
     ttft = [0.100 + rng.uniform(-1e-3, 1e-3) for _ in range(20)]
     rows, verdict = xc.compare(_xc_result(ttft, ttft[::-1], tight, tight[::-1]), 0.10, 2.0)
     assert verdict == "agree" and [r["verdict"] for r in rows] == ["agree", "agree", None, None]
+    assert rows[3]["harness_ms"] == 3.0  # E2E: the mean of the runs' medians
     # A 2x unit/definition error with tight samples is a clear disagreement.
     doubled = [[2 * g for g in r] for r in tight]
     _, verdict = xc.compare(_xc_result(ttft, ttft, doubled, tight), 0.10, 2.0)
