@@ -199,7 +199,7 @@ def profile_delta(path: Path, before: dict) -> dict:
     for phase in ("prefill", "decode"):
         comm = sum(v["comm_s"] - before.get(k, {}).get("comm_s", 0) for k, v in now.items() if k.startswith(phase))
         blocked = sum(v["blocked_s"] - before.get(k, {}).get("blocked_s", 0) for k, v in now.items() if k.startswith(phase))
-        out[phase] = {"comm_s": comm, "blocked_s": blocked}
+        out[phase] = {"comm_s": float(comm), "blocked_s": float(blocked)}
     return out
 
 
@@ -249,7 +249,7 @@ def report(results: dict, args) -> str:
                      f"{hidden(r, 'prefill') if mode == 'overlap' else '-'} | "
                      f"{hidden(r, 'decode') if mode == 'overlap' else '-'} |")
     lines.append("")
-    if "sync" in med:
+    if "sync" in med and not args.no_profile:
         s = med["sync"]
         for phase, wall in (("prefill", "ttft_wall_s"), ("decode", "itl_wall_s")):
             f = s[f"{phase}_blocked_s"] / s[wall] if s[wall] else 0.0

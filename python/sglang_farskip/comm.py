@@ -27,9 +27,13 @@ Backends, chosen once per communicator:
 
 Overlap measurement (`OverlapProfiler`, off unless attached): per (phase, layer, lane), the
 collective's duration (start to completion) and how long the caller was blocked in wait(),
-giving the fraction of communication hidden = 1 - blocked / duration. It also counts compute
-steps (`mark_compute()`) between a launch and its wait. With no profiler attached the only
-cost is one `is None` test per call.
+giving the fraction of communication hidden = 1 - blocked / duration. Completion of an async
+collective is observed by polling at each `mark_compute()` (after every sub-block of compute)
+and at wait(), not by a completion callback: a Python callback on gloo's thread must take the
+GIL from the computing thread and doubled decode step time here. So a duration is exact when
+the caller had to block, and otherwise an upper bound by at most one sub-block; the hidden
+fraction is correspondingly an upper bound. It also counts compute steps between a launch and
+its wait. With no profiler attached the only cost is one `is None` test per call.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class OverlapProfiler:
         self.out_path = out_path  # where flush() writes the cumulative snapshot (JSON)
         self.phase = "prefill"
         self.compute_steps = 0
+        self._inflight = []  # (record, Work) of async collectives not yet seen complete
         self._lock = threading.Lock()
         self.stats = defaultdict(lambda: {"count": 0, "comm_s": 0.0, "blocked_s": 0.0,
                                           "min_steps_between": None})
@@ -70,6 +75,18 @@ class OverlapProfiler:
     def mark_compute(self) -> None:
         """Called by the model after each sub-block of compute (attention, MLP)."""
         self.compute_steps += 1
+        if self._inflight:
+            now = time.perf_counter()
+            still = []
+            for rec, work in self._inflight:
+                if work.is_completed():
+                    rec.t_done = now
+                else:
+                    still.append((rec, work))
+            self._inflight = still
+
+    def track(self, rec: _Record, work) -> None:
+        self._inflight.append((rec, work))
 
     def on_start(self, lane: str, layer: int) -> _Record:
         return _Record((self.phase, layer, lane), self.compute_steps)
@@ -118,6 +135,8 @@ class Handle:
         self._waited = True
         t0 = time.perf_counter() if self._record is not None else 0.0
         if self._work is not None:
+            if self._record is not None and self._record.t_done is None and self._work.is_completed():
+                self._record.t_done = t0  # finished since the last poll
             self._work.wait()
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
@@ -202,7 +221,7 @@ class Communicator:
             tensor = tensor.contiguous()
             work = dist.all_reduce(tensor, group=self.group.device_group, async_op=True)
             if record is not None:
-                work.get_future().then(lambda _: setattr(record, "t_done", time.perf_counter()))
+                prof.track(record, work)
             out = Handle(tensor, work=work, record=record, profiler=prof)
         if record is not None and out._work is None and out._event is None:
             record.t_done = time.perf_counter()  # completed before returning
