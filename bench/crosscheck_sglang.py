@@ -35,11 +35,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadstats  # noqa: E402
 import servermetrics  # noqa: E402
-from servers import BenchError, check_reachable, server_facts  # noqa: E402
+from servers import BenchError, check_reachable, server_facts, warm_up  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MAIN_RUN_MARK = "Starting main benchmark run"  # printed by sglang.benchmark.serving after warm-up
@@ -75,7 +76,7 @@ def harness_cmd(args, tokenizer: str, out: Path, seed: int, *, requests: int | N
     how_long = ["--requests", str(requests)] if requests else ["--duration", str(args.timeout)]
     return [sys.executable, str(HERE / "run_load.py"), "--url", args.url, "--endpoint", "generate",
             "--concurrency", str(args.concurrency), *how_long, "--input-len", str(args.input_len),
-            "--max-tokens", str(args.max_tokens), "--tokenizer", tokenizer, "--warmup", "1",
+            "--max-tokens", str(args.max_tokens), "--tokenizer", tokenizer, "--warmup", "0",
             "--seed", str(seed), "--out", str(out)]
 
 
@@ -85,7 +86,7 @@ def sglang_cmd(args, tokenizer: str, result: Path, seed: int) -> list[str]:
             "--num-prompts", str(args.requests), "--max-concurrency", str(args.concurrency),
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.max_tokens),
             "--random-range-ratio", "1", "--request-rate", "inf", "--seed", str(seed),
-            "--warmup-requests", "1", "--disable-tqdm", "--output-file", str(result), "--output-details"]
+            "--warmup-requests", "0", "--disable-tqdm", "--output-file", str(result), "--output-details"]
 
 
 def harness_side(recs: list[dict]) -> dict:
@@ -216,7 +217,26 @@ def _run_summary(tool: str, rnd: int, side: dict, wall: float, before, url: str)
     flat = [g for req in side["itl_by_request"] for g in req]
     return {"tool": tool, "round": rnd, "wall_s": round(wall, 1), "requests": side["requests"],
             "failed": side["failed"], "ttft_p50_ms": _median_ms(side["ttft"]), "itl_p50_ms": _median_ms(flat),
+            "ttft_mean_ms": 1000.0 * sum(side["ttft"]) / len(side["ttft"]) if side["ttft"] else None,
+            "itl_mean_ms": 1000.0 * sum(flat) / len(flat) if flat else None,
             "server": servermetrics.summarize(servermetrics.delta(before, servermetrics.scrape(url)))}
+
+
+def server_referenced(runs: list[dict]) -> dict | None:
+    """Each tool against the server's own histograms of the same run: client TTFT mean minus
+    the server's (the client-side overhead) and client ITL mean over the server's. Drift of
+    the machine between runs moves client and server alike, so these compare the two tools
+    even when their runs saw different load."""
+    out = {}
+    for tool in ("harness", "sglang"):
+        own = [r for r in runs if r["tool"] == tool and r["server"] and r["server"]["itl"]["mean_ms"]]
+        if not own:
+            return None
+        out[tool] = {
+            "ttft_client_minus_server_ms": sum(r["ttft_mean_ms"] - r["server"]["ttft"]["mean_ms"] for r in own) / len(own),
+            "itl_client_over_server": sum(r["itl_mean_ms"] / r["server"]["itl"]["mean_ms"] for r in own) / len(own),
+        }
+    return out
 
 
 # ---------------------------------------------------------------- verdict
@@ -290,6 +310,12 @@ def print_summary(summary: dict, res: dict, out: Path) -> None:
                   if sv else "server /metrics not available (--enable-metrics)")
         print(f"  run {run['round']} {run['tool']:7s} ({run['wall_s']} s): client TTFT p50 {_f(run['ttft_p50_ms'], '.1f')}, "
               f"ITL p50 {_f(run['itl_p50_ms'], '.1f')} | {server} (ms)")
+    ref = summary["server_referenced"]
+    if ref:
+        h, s = ref["harness"], ref["sglang"]
+        print(f"against the server's own histograms of each run: client TTFT mean minus server's "
+              f"{h['ttft_client_minus_server_ms']:+.2f} ms (harness) vs {s['ttft_client_minus_server_ms']:+.2f} ms "
+              f"(sglang); client ITL mean / server's {h['itl_client_over_server']:.3f} vs {s['itl_client_over_server']:.3f}")
     advice = " (sampling noise exceeds the tolerance: raise --requests or use a quieter machine)" \
         if summary["verdict"] == "inconclusive" else ""
     tol = summary["tolerance"]
@@ -306,6 +332,9 @@ def main(argv=None) -> int:
             raise BenchError(f"the server's tokenizer {tokenizer!r} is not on this machine: pass --tokenizer")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        # One shared warm-up, so that neither tool's first request pays the server's one-off costs
+        # (both then run without their own warm-up, and /metrics counts only measured requests).
+        warm_up(args.url, SimpleNamespace(endpoint="generate", input_len=args.input_len, request_timeout=120), 2)
         res = (run_alternate if args.mode == "alternate" else run_concurrent)(args, tokenizer, out)
         if res["harness"]["failed"] or res["sglang"]["failed"] or len(res["harness"]["ttft"]) < 2:
             raise BenchError(f"nothing fair to compare: harness {len(res['harness']['ttft'])} requests done "
@@ -316,7 +345,8 @@ def main(argv=None) -> int:
     rows, verdict = compare(res, args.rel_tol, args.abs_tol_ms)
     summary = {"url": args.url, "mode": args.mode, "tolerance": {"rel": args.rel_tol, "abs_ms": args.abs_tol_ms},
                "workload": {k: getattr(args, k) for k in ("concurrency", "requests", "input_len", "max_tokens", "rounds")},
-               "medians": rows, "verdict": verdict, "runs": res["runs"], "window_s": res.get("window_s"),
+               "medians": rows, "verdict": verdict, "server_referenced": server_referenced(res["runs"]),
+               "runs": res["runs"], "window_s": res.get("window_s"),
                "counts": {t: {"requests": len(res[t]["ttft"]), "failed": res[t]["failed"]} for t in ("harness", "sglang")}}
     (out / "crosscheck.json").write_text(json.dumps(summary, indent=1) + "\n")
     print_summary(summary, res, out)

@@ -276,12 +276,20 @@ def stream_request(session, base_url: str, endpoint: str, prompt: dict, rec: dic
     return rec
 
 
+def _session() -> requests.Session:
+    s = requests.Session()
+    # No proxy or .netrc lookups from the environment on every request: a load test talks to
+    # the server directly (as aiohttp, sglang.benchmark.serving's client, does by default).
+    s.trust_env = False
+    return s
+
+
 class StreamingUser(User):
     wait_time = constant(0)  # closed loop: concurrency = number of users, as --max-concurrency
 
     def on_start(self):
         self.opts = self.environment.parsed_options
-        self.session = requests.Session() if self.opts.keep_alive else None
+        self.session = _session() if self.opts.keep_alive else None
 
     def on_stop(self):
         if self.session is not None:
@@ -328,7 +336,7 @@ class StreamingUser(User):
         # By default each request opens its own connection, as sglang.benchmark.serving does
         # (a new aiohttp session per request): TTFT then includes the connect, and a reused
         # connection cannot win races for the server's next prefill against another client.
-        session = self.session or requests.Session()
+        session = self.session or _session()
         try:
             stream_request(session, self.host.rstrip("/"), self.opts.endpoint, prompt, rec,
                            self.opts.model, self.opts.request_timeout)

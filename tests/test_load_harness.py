@@ -270,10 +270,12 @@ def test_locustfile_refuses_to_start_without_prompts(server):
 
 def test_agrees_with_sglang_benchmark_serving(server, tmp_path):
     # bench/crosscheck_sglang.py: the harness, then sglang.benchmark.serving, on the same
-    # server and workload. The bound is looser than the script's stated 10 % so that a busy CI
-    # box cannot make it flaky; a definition or unit error is off by 2x or more and still
-    # fails. ITL (hundreds of samples) must agree; TTFT (two dozen) may come out
-    # "inconclusive" when sampling noise exceeds the bound, but never "disagree".
+    # server and workload. Medians: a 35 % bound (the script states 10 %) and "inconclusive"
+    # accepted, so that a busy CI box shifting the load between the two runs cannot fail it;
+    # "disagree" (outside the bound even allowing for sampling) fails. Then the drift-free
+    # view: each tool against the server's own histograms of its own run must match the other.
+    # A definition or unit error (wrong start, per chunk instead of per token, ms for s) fails
+    # one or the other.
     r = subprocess.run([sys.executable, str(REPO / "bench" / "crosscheck_sglang.py"), "--url", server.url,
                         "--rounds", "1", "--concurrency", "1", "--requests", "24", "--max-tokens", "12",
                         "--input-len", "32", "--rel-tol", "0.35", "--abs-tol-ms", "5", "--out", str(tmp_path)],
@@ -282,7 +284,11 @@ def test_agrees_with_sglang_benchmark_serving(server, tmp_path):
     assert r.returncode in (0, 3), r.stdout + r.stderr
     res = json.loads((tmp_path / "crosscheck.json").read_text())
     assert res["counts"] == {"harness": {"requests": 24, "failed": 0}, "sglang": {"requests": 24, "failed": 0}}
-    verdicts = {row["metric"]: row["verdict"] for row in res["medians"]}
-    assert verdicts["itl p50"] == "agree" and verdicts["ttft p50"] in ("agree", "inconclusive")
-    # The server's own histograms saw each tool's 24 requests (plus one warm-up each).
-    assert [run["server"]["ttft"]["count"] for run in res["runs"]] == [25, 25]
+    assert all(row["verdict"] in ("agree", "inconclusive") for row in res["medians"] if row["checked"])
+    # The server's histograms saw exactly each run's requests (the warm-up came before).
+    assert [run["server"]["ttft"]["count"] for run in res["runs"]] == [24, 24]
+    h, s = res["server_referenced"]["harness"], res["server_referenced"]["sglang"]
+    # Client-side overhead above the server's own TTFT: a few ms for either client.
+    assert abs(h["ttft_client_minus_server_ms"] - s["ttft_client_minus_server_ms"]) <= 10.0
+    assert 0 < h["ttft_client_minus_server_ms"] and 0 < s["ttft_client_minus_server_ms"]
+    assert abs(h["itl_client_over_server"] - s["itl_client_over_server"]) <= 0.05

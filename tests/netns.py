@@ -1,0 +1,271 @@
+"""Two "nodes" on one machine for tests: two network namespaces joined by a veth pair, each
+node started through deploy/entrypoint.sh with its own /dev/shm, and a client that runs inside
+node 0's namespace. Needs root (`ip netns`); everything made here is removed by `Link.remove`
+and `Node.kill`, also after a failure.
+
+    python tests/netns.py client URL MAX_TOKENS TIMEOUT   (internal: the in-namespace client)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRYPOINT = REPO / "deploy" / "entrypoint.sh"
+PY = sys.executable
+
+# Our own names and addresses (bench/overlap_bench.py uses fsbench*/fsb-veth*/10.250.0.x).
+NS = ("fstest0", "fstest1")
+VETH = ("fst-veth0", "fst-veth1")
+ADDR = ("10.251.0.1", "10.251.0.2")
+UNUSED_ADDR = "10.251.0.9"  # in the veth's subnet, assigned to nobody: a wrong MASTER_ADDR
+
+
+def available() -> str | None:
+    """Why these tests cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns, veth, mount)"
+    for tool in ("ip", "unshare", "mount"):
+        if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode:
+            return f"needs `{tool}`"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+class Link:
+    """fstest0 <-> fstest1 over fst-veth0/fst-veth1, 10.251.0.1/24 and 10.251.0.2/24."""
+
+    def create(self) -> "Link":
+        self.remove()
+        for ns in NS:
+            _ip("netns", "add", ns)
+        _ip("link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
+        for i in (0, 1):
+            _ip("link", "set", VETH[i], "netns", NS[i])
+            _ip("-n", NS[i], "addr", "add", f"{ADDR[i]}/24", "dev", VETH[i])
+            _ip("-n", NS[i], "link", "set", VETH[i], "up")
+            _ip("-n", NS[i], "link", "set", "lo", "up")
+        return self
+
+    def set_up(self, rank: int, up: bool) -> None:
+        _ip("-n", NS[rank], "link", "set", VETH[rank], "up" if up else "down")
+
+    def remove(self) -> None:
+        for ns in NS:
+            kill_namespace_pids(ns)
+            _ip("netns", "del", ns, check=False)  # deletes the veth pair with it
+        # A veth left in the root namespace by an interrupted create().
+        _ip("link", "del", VETH[0], check=False)
+
+
+def kill_namespace_pids(ns: str) -> None:
+    """SIGKILL whatever still runs in one of our namespaces (processes these tests started)."""
+    out = _ip("netns", "pids", ns, check=False)
+    for pid in out.stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def in_ns(rank: int, cmd: list[str]) -> list[str]:
+    return ["ip", "netns", "exec", NS[rank], *cmd]
+
+
+@dataclass
+class Node:
+    """One node: deploy/entrypoint.sh in namespace NS[rank], with a private /dev/shm (SGLang
+    probes shared memory to decide whether ranks share a host; with the host's /dev/shm node 1
+    would wait for a peer it thinks is local)."""
+
+    rank: int
+    env: dict
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    ended: float | None = None
+
+    def start(self) -> "Node":
+        inner = "mount -t tmpfs tmpfs /dev/shm && exec " + shlex.join([str(ENTRYPOINT), *self.args])
+        cmd = in_ns(self.rank, ["unshare", "-m", "sh", "-c", inner])
+        self._log = open(self.log_path, "w")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=REPO)
+        return self
+
+    def poll(self) -> int | None:
+        rc = self.proc.poll()
+        if rc is not None and self.ended is None:
+            self.ended = time.monotonic()
+        return rc
+
+    def wait(self, timeout: float) -> int | None:
+        """Exit status, or None if still running after `timeout` seconds."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        return self.poll()
+
+    def log(self, since: int = 0) -> str:
+        """The log, from byte offset `since` (a `mark()`) on."""
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+
+    def mark(self) -> int:
+        return self.log_path.stat().st_size
+
+    def log_tail(self, n: int = 40) -> str:
+        lines = [x for x in self.log().splitlines() if "Ignore import error" not in x]
+        return f"--- node {self.rank} log ({self.log_path}) ---\n" + "\n".join(lines[-n:])
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+        self.poll()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+
+def node_env(rank: int, *, master_addr: str = ADDR[0], master_port: int, http_port: int,
+             dist_timeout: int, model_path: str, extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "MASTER_", "NCCL_", "GLOO_"))}
+    env.update({
+        "NODE_RANK": str(rank), "NNODES": "2", "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port), "HTTP_PORT": str(http_port),
+        "MODEL_PATH": model_path, "TP_SIZE": "2", "EP_SIZE": "2",
+        "NET_IFNAME": VETH[rank],  # SGLANG_HOST_IP and GLOO_SOCKET_IFNAME derived from it
+        "DIST_TIMEOUT": str(dist_timeout), "FARSKIP_PLATFORM": "cpu", "FARSKIP_PYTHON": PY,
+        "EXTRA_ARGS": "--dtype float32",
+        "OMP_NUM_THREADS": "1",  # one core per rank
+    })
+    env.update(extra or {})
+    return env
+
+
+# ------------------------------------------------------------------ client (in node 0's namespace)
+def run_client(url: str, payload: dict, path: str, timeout: float, echo: bool = False) -> dict:
+    """One request; a streamed one reports each chunk's arrival as it comes (a JSON line on
+    stdout), then one summary line: {"done": bool, "error": str|None, "chunks": [...]}"""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps(payload).encode()
+    req = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+    start = time.monotonic()
+    chunks, done, error = [], False, None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            if not payload.get("stream"):
+                return {"done": True, "error": None, "reply": json.loads(resp.read()),
+                        "elapsed": time.monotonic() - start}
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    error = f"error event: {obj['error']}"
+                    break
+                chunks.append(obj)
+                if echo:
+                    print(json.dumps({"chunk": len(chunks), "t": time.monotonic() - start}), flush=True)
+    except (OSError, http.client.HTTPException, urllib.error.URLError) as e:
+        error = f"{type(e).__name__}: {e}"
+        # The client's own socket timeout: the server said nothing for `timeout` s (silence).
+        client_timeout = isinstance(e, TimeoutError) or "timed out" in str(e)
+        return {"done": False, "error": error, "client_timeout": client_timeout, "chunks": chunks,
+                "elapsed": time.monotonic() - start}
+    return {"done": done, "error": error, "client_timeout": False, "chunks": chunks,
+            "elapsed": time.monotonic() - start}
+
+
+def client_cmd(port: int, payload: dict, path: str, timeout: float) -> list[str]:
+    return in_ns(0, [PY, __file__, "client", f"http://127.0.0.1:{port}", path,
+                     json.dumps(payload), str(timeout)])
+
+
+def client(port: int, payload: dict, path: str = "/v1/completions", timeout: float = 120) -> dict:
+    """Run one request from inside node 0's namespace and return the summary."""
+    out = subprocess.run(client_cmd(port, payload, path, timeout), capture_output=True, text=True,
+                         timeout=timeout + 60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class BackgroundClient:
+    """A streamed request running in node 0's namespace. A thread collects its output lines:
+    `wait_chunks` blocks until some tokens arrived, `result` waits (bounded) for the summary."""
+
+    def __init__(self, port: int, payload: dict, path: str = "/v1/completions", timeout: float = 300):
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self.proc = subprocess.Popen(client_cmd(port, payload, path, timeout), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def chunks(self) -> int:
+        return sum(1 for line in list(self.lines) if line.startswith('{"chunk"'))
+
+    def wait_chunks(self, n: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while self.chunks() < n:
+            assert self.proc.poll() is None, f"client ended before {n} chunks: {self.lines}"
+            assert time.monotonic() < deadline, f"fewer than {n} chunks in {timeout} s"
+            time.sleep(0.05)
+
+    def result(self, timeout: float) -> dict:
+        """The summary; raises TimeoutError if the client is still waiting after `timeout` s."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"the client got no answer and no error for {timeout} s (silence)") from None
+        self.ended = time.monotonic()
+        self._reader.join(timeout=10)
+        err = self.proc.stderr.read()
+        assert self.proc.returncode == 0 and self.lines, f"client failed: {err[-3000:]}"
+        return json.loads(self.lines[-1])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "client":
+        _, _, url, path, payload, timeout = sys.argv
+        print(json.dumps(run_client(url, json.loads(payload), path, float(timeout), echo=True)), flush=True)
+        sys.exit(0)
+    sys.exit(__doc__)

@@ -1,0 +1,315 @@
+"""deploy/entrypoint.sh as two "nodes": two network namespaces with their own addresses on a
+veth pair (made and removed here, needs root), CPU, TP=2/EP=2 across the nodes (one rank
+each), the tiny demo checkpoint in float32.
+
+- node 0's server answers a streamed completion (and /generate) with the same greedy tokens as
+  a single-node TP=1 server on the same checkpoint;
+- failures end, bounded, with a clear message; node 0 exits non-zero and the client gets an
+  error, never silence:
+
+  | failure                              | node 0 exits within            | message on node 0        |
+  |--------------------------------------|--------------------------------|--------------------------|
+  | node 1 killed while serving          | KILL_BOUND_S of the kill       | gloo connection reset    |
+  | veth down while serving              | SERVE_TIMEOUT + 60 s of the cut| collective timed out     |
+  | node 1 never starts                  | START_BOUND_S of its start     | rendezvous timed out     |
+  | wrong MASTER_ADDR (on node 1)        | START_BOUND_S of its start     | rendezvous timed out     |
+  | missing model path (on node 1)       | START_BOUND_S; node 1 at once  | rendezvous timed out     |
+
+DIST_TIMEOUT is short here (SERVE_TIMEOUT, RENDEZVOUS_TIMEOUT) so that the failures are quick;
+the deployed default is 300 s. One two-node start serves the parity check and then the kill;
+a second one the link cut; the three start-up failures run side by side (they only wait).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import netns
+from netns import UNUSED_ADDR, BackgroundClient, Link, Node, client, node_env
+from serverutil import Server
+
+pytestmark = [
+    pytest.mark.skipif(netns.available() is not None, reason=str(netns.available())),
+    pytest.mark.timeout(420),
+]
+
+SERVE_TIMEOUT = 30  # DIST_TIMEOUT of the serving deployments
+RENDEZVOUS_TIMEOUT = 20  # DIST_TIMEOUT of the start-up failures: only the rendezvous waits
+READY_TIMEOUT_S = 240  # a two-node CPU start takes about a minute here
+KILL_BOUND_S = 60  # observed ~6 s: gloo sees the reset at once, then SGLang's 5 s diagnostics
+CUT_BOUND_S = SERVE_TIMEOUT + 60  # the blocked collective times out, then the teardown
+START_BOUND_S = RENDEZVOUS_TIMEOUT + 150  # imports and start-up (3 servers on 2 cores) + timeout
+CLIENT_TIMEOUT_S = 200  # the in-flight client's own socket timeout: reaching it means silence
+
+NEW_TOKENS = 8
+PROMPT = "The capital of France is"
+PROMPT_IDS = [0, 17, 1234, 77, 3001, 5, 999, 42]
+COMPLETION = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+              "stream": True, "stream_options": {"include_usage": True}}
+GENERATE = {"input_ids": PROMPT_IDS, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+LONG = {"prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+# ------------------------------------------------------------------ helpers
+def streamed_text(result: dict) -> tuple[str, int | None]:
+    text, usage = "", None
+    for chunk in result["chunks"]:
+        for choice in chunk.get("choices") or []:
+            text += choice.get("text") or ""
+        if chunk.get("usage"):
+            usage = chunk["usage"]["completion_tokens"]
+    return text, usage
+
+
+def generated(reply: dict) -> tuple[list[int], list[float]]:
+    pairs = reply["meta_info"]["output_token_logprobs"]  # [(logprob, token_id, text), ...]
+    return [p[1] for p in pairs], [p[0] for p in pairs]
+
+
+class Deployment:
+    """Node 0 and (optionally) node 1 through the entrypoint; always killed at the end."""
+
+    _next = 0
+
+    def __init__(self, name: str, log_dir: Path, model: str, dist_timeout: int,
+                 node1_env: dict | None = None, start_node1: bool = True):
+        Deployment._next += 1
+        self.http_port = 30000 + Deployment._next
+        master_port = 50000 + 100 * Deployment._next
+        common = dict(master_port=master_port, http_port=self.http_port, dist_timeout=dist_timeout,
+                      model_path=model)
+        self.nodes = [Node(0, node_env(0, **common), log_dir / f"{name}-node0.log")]
+        if start_node1:
+            env1 = node_env(1, **common)
+            env1.update(node1_env or {})
+            self.nodes.append(Node(1, env1, log_dir / f"{name}-node1.log"))
+        for node in self.nodes:
+            node.start()
+
+    @property
+    def node0(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def node1(self) -> Node:
+        return self.nodes[1]
+
+    def logs(self) -> str:
+        return "\n".join(node.log_tail() for node in self.nodes)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            for node in self.nodes:
+                if node.poll() is not None:
+                    pytest.fail(f"node {node.rank} exited with {node.proc.returncode} during start-up\n"
+                                + self.logs())
+            probe = netns.in_ns(0, ["curl", "-sf", "--max-time", "30",
+                                    f"http://127.0.0.1:{self.http_port}/health_generate"])
+            if subprocess.run(probe, capture_output=True, timeout=60).returncode == 0:
+                return time.monotonic() - start
+            time.sleep(2)
+        pytest.fail(f"not ready after {timeout} s\n" + self.logs())
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+
+def assert_log(node: Node, pattern: str, since: int = 0) -> str:
+    """The first line of node's log (from offset `since`) matching `pattern`, case-insensitive."""
+    for line in node.log(since).splitlines():
+        if re.search(pattern, line, re.IGNORECASE):
+            return line.strip()
+    pytest.fail(f"no line matching {pattern!r} in node {node.rank}'s log\n{node.log_tail(60)}")
+
+
+def assert_no_answer_is_an_error(port: int) -> dict:
+    """A client asking node 0 (not serving, or gone) gets an error at once, not silence."""
+    result = client(port, {**COMPLETION, "stream": False}, timeout=30)
+    assert result["error"] and not result["client_timeout"], result
+    assert result["elapsed"] < 10, result
+    return result
+
+
+# ------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def model() -> str:
+    from sglang_farskip.demo_model import ensure_demo_checkpoint
+
+    return str(ensure_demo_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def link():
+    made = Link().create()
+    try:
+        yield made
+    finally:
+        made.remove()
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("two-nodes")
+
+
+@pytest.fixture(scope="module")
+def single_node(model, log_dir):
+    """Greedy output of a single-node TP=1 server on the same checkpoint, float32."""
+    with Server(["--model-path", model, "--dtype", "float32"], env={"OMP_NUM_THREADS": "1"},
+                log_path=log_dir / "tp1.log") as server:
+        server.wait_ready()
+        completion = netns.run_client(server.url, COMPLETION, "/v1/completions", 120)
+        ids, logprobs = generated(server.post("/generate", GENERATE))
+    return {"text": streamed_text(completion), "ids": ids, "logprobs": logprobs}
+
+
+@pytest.fixture(scope="module")
+def serving(link, model, log_dir):
+    """One two-node deployment for the parity check and then for the kill of node 1."""
+    dep = Deployment("serve", log_dir, model, SERVE_TIMEOUT)
+    try:
+        dep.ready_s = dep.wait_ready()
+        print(f"\ntwo-node start: ready in {dep.ready_s:.0f} s")
+        yield dep
+    finally:
+        dep.kill()
+
+
+# ------------------------------------------------------------------ parity
+def test_two_nodes_match_single_node_tp1(single_node, serving):
+    completion = client(serving.http_port, COMPLETION, timeout=120)
+    assert completion["done"] and not completion["error"], completion
+    text, usage = streamed_text(completion)
+    assert usage == NEW_TOKENS
+    assert (text, usage) == single_node["text"], (text, single_node["text"])
+
+    reply = client(serving.http_port, GENERATE, "/generate", timeout=120)["reply"]
+    ids, logprobs = generated(reply)
+    assert ids == single_node["ids"]
+    # Same weights, float32; only the order of the TP/EP partial sums differs.
+    assert max(abs(a - b) for a, b in zip(logprobs, single_node["logprobs"])) < 1e-3
+    print(f"\nparity: streamed {len(completion['chunks'])} chunks {text!r}; /generate ids {ids}")
+
+
+# ------------------------------------------------------------------ failures while serving
+def test_node1_killed_while_serving(serving):
+    request = BackgroundClient(serving.http_port, LONG, timeout=CLIENT_TIMEOUT_S)
+    try:
+        request.wait_chunks(3)
+        mark = serving.node0.mark()
+        serving.node1.kill()  # SIGKILL to node 1's whole process group
+        killed = time.monotonic()
+        rc = serving.node0.wait(KILL_BOUND_S)
+        assert rc is not None, f"node 0 still runs {KILL_BOUND_S} s after node 1 died\n{serving.logs()}"
+        assert rc != 0, serving.logs()
+        exit_s = serving.node0.ended - killed
+        result = request.result(timeout=30)
+    finally:
+        request.kill()
+        serving.kill()
+    assert result["error"] and not result["done"] and not result["client_timeout"], result
+    answered_s = request.ended - killed
+    line = assert_log(serving.node0, r"connection reset|connection closed|closed by peer", mark)
+    print(f"\nnode 1 killed: node 0 exited rc={rc} after {exit_s:.1f} s; client ended after "
+          f"{answered_s:.1f} s with {result['error']!r} after {len(result['chunks'])} chunks; "
+          f"node 0: {line[:200]}")
+    assert_no_answer_is_an_error(serving.http_port)
+
+
+def test_link_cut_while_serving(link, model, log_dir):
+    dep = Deployment("cut", log_dir, model, SERVE_TIMEOUT)
+    request = None
+    try:
+        ready_s = dep.wait_ready()
+        request = BackgroundClient(dep.http_port, LONG, timeout=CLIENT_TIMEOUT_S)
+        request.wait_chunks(3)
+        mark = dep.node0.mark()
+        link.set_up(1, False)  # node 1's end of the veth: no reset, packets just stop
+        cut = time.monotonic()
+        rc = dep.node0.wait(CUT_BOUND_S)
+        assert rc is not None, f"node 0 still runs {CUT_BOUND_S} s after the cut\n{dep.logs()}"
+        assert rc != 0, dep.logs()
+        exit_s = dep.node0.ended - cut
+        result = request.result(timeout=30)
+        node1_rc = dep.node1.wait(max(1.0, CUT_BOUND_S - (time.monotonic() - cut)))
+    finally:
+        link.set_up(1, True)
+        if request is not None:
+            request.kill()
+        dep.kill()
+    assert result["error"] and not result["done"] and not result["client_timeout"], result
+    line = assert_log(dep.node0, r"timed out", mark)
+    print(f"\nlink cut (ready in {ready_s:.0f} s): node 0 exited rc={rc} after {exit_s:.1f} s, node 1 "
+          f"rc={node1_rc}; client ended after {request.ended - cut:.1f} s with {result['error']!r}; "
+          f"node 0: {line[:200]}")
+    assert_no_answer_is_an_error(dep.http_port)
+
+
+# ------------------------------------------------------------------ failures at start-up
+@pytest.fixture(scope="module")
+def startup_failures(link, model, log_dir):
+    """The three start-up failures side by side (each is node 0 waiting at the rendezvous)."""
+    deps = {
+        "never": Deployment("never", log_dir, model, RENDEZVOUS_TIMEOUT, start_node1=False),
+        "wrong_addr": Deployment("wrong-addr", log_dir, model, RENDEZVOUS_TIMEOUT,
+                                 node1_env={"MASTER_ADDR": UNUSED_ADDR}),
+        "no_model": Deployment("no-model", log_dir, model, RENDEZVOUS_TIMEOUT,
+                               node1_env={"MODEL_PATH": "/nonexistent/DeepSeek-V3-FarSkip"}),
+    }
+    try:
+        # While node 0 waits for its peer, a client gets "connection refused" at once.
+        time.sleep(5)
+        waiting = assert_no_answer_is_an_error(deps["never"].http_port)
+        # Poll them all, so that each exit time is measured to within half a second.
+        nodes = [node for dep in deps.values() for node in dep.nodes]
+        while any(node.poll() is None and time.monotonic() - node.started < START_BOUND_S
+                  for node in nodes):
+            time.sleep(0.5)
+        yield {"deps": deps, "waiting_client": waiting}
+    finally:
+        for dep in deps.values():
+            dep.kill()
+
+
+def check_node0_timed_out(dep: Deployment) -> str:
+    node0 = dep.node0
+    assert node0.ended is not None, f"node 0 still runs {START_BOUND_S} s after its start\n{dep.logs()}"
+    assert node0.proc.returncode != 0, dep.logs()
+    line = assert_log(node0, r"timed out")
+    assert_no_answer_is_an_error(dep.http_port)
+    return f"node 0 exited rc={node0.proc.returncode} {node0.ended - node0.started:.1f} s after its start: {line[:200]}"
+
+
+def test_node1_never_starts(startup_failures):
+    dep = startup_failures["deps"]["never"]
+    print(f"\nnode 1 never starts: {check_node0_timed_out(dep)}; client while waiting: "
+          f"{startup_failures['waiting_client']['error']!r}")
+
+
+def test_wrong_master_addr(startup_failures):
+    dep = startup_failures["deps"]["wrong_addr"]
+    summary = check_node0_timed_out(dep)
+    node1 = dep.node1
+    assert node1.ended is not None and node1.proc.returncode != 0, dep.logs()
+    line = assert_log(node1, rf"{re.escape(UNUSED_ADDR)}|timed out")
+    print(f"\nwrong MASTER_ADDR on node 1: {summary}; node 1 rc={node1.proc.returncode} after "
+          f"{node1.ended - node1.started:.1f} s: {line[:200]}")
+
+
+def test_missing_model_path_on_node1(startup_failures):
+    dep = startup_failures["deps"]["no_model"]
+    node1 = dep.node1
+    assert node1.proc.returncode == 2, dep.logs()
+    assert node1.ended - node1.started < 10
+    line = assert_log(node1, r"^error: MODEL_PATH=/nonexistent/DeepSeek-V3-FarSkip is not a directory")
+    summary = check_node0_timed_out(dep)
+    print(f"\nmissing model path on node 1: node 1 rc=2 after {node1.ended - node1.started:.1f} s "
+          f"({line[:120]}); {summary}")
