@@ -18,10 +18,10 @@ Two ways to share the server fairly (--mode):
 
 A median agrees when within --rel-tol of sglang's or within --abs-tol-ms of it (justified in
 bench/README.md, "Agreement with sglang.benchmark.serving"). Exit 0: TTFT and ITL medians
-agree; 1: one disagrees beyond what sampling can explain (its bootstrap 95% interval lies
-outside the tolerance); 3: inconclusive (outside the tolerance, but within sampling noise:
-raise --requests); 2: bad input or a tool failed. The server's /metrics histograms are read
-around every run as a third, independent view.
+agree; 1: one disagrees; 3: inconclusive (outside the tolerance, but within sampling noise, or
+the server's own histograms moved just as much between the runs); 2: bad input or a tool
+failed. The server's /metrics histograms are read around every run as a third, independent
+view: each tool's client numbers against the server's own are compared too (drift-free).
 """
 
 from __future__ import annotations
@@ -257,10 +257,23 @@ def bootstrap_interval(a: list, b: list, pooled: bool, n: int = 1000, seed: int 
     return diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
 
 
-def compare(res: dict, rel_tol: float, abs_tol_ms: float) -> tuple[list[dict], str]:
-    """Per median: 'agree' (difference within tolerance), 'disagree' (outside it, and outside
-    even at the near end of its sampling interval), or 'inconclusive' (outside it, but
-    sampling alone could explain that: too few requests, or too noisy a machine, to decide)."""
+def _explained_by_server(metric: str, ref: dict | None, band: float, sglang_median: float) -> bool:
+    """Did the server's own histograms move with the clients? Each tool against the server in
+    its own run (server_referenced) cancels drift between runs: if those agree, a gap between
+    the medians is the machine changing speed, not the tools measuring differently."""
+    if not ref:
+        return False
+    h, s = ref["harness"], ref["sglang"]
+    if metric == "ttft":
+        return abs(h["ttft_client_minus_server_ms"] - s["ttft_client_minus_server_ms"]) <= band
+    return abs(h["itl_client_over_server"] - s["itl_client_over_server"]) <= band / sglang_median
+
+
+def compare(res: dict, rel_tol: float, abs_tol_ms: float, ref: dict | None = None) -> tuple[list[dict], str]:
+    """Per median: 'agree' (difference within tolerance); 'inconclusive' (outside it, but
+    sampling alone could explain that - its bootstrap interval reaches the tolerance - or the
+    server's own histograms moved just as much between the two runs: a noisy machine, not a
+    measurement difference); otherwise 'disagree'."""
     rows = []
     for metric in ("ttft", "itl", "tpot", "e2e"):
         checked = metric in ("ttft", "itl")  # the criterion; TPOT and E2E are shown alongside
@@ -280,8 +293,14 @@ def compare(res: dict, rel_tol: float, abs_tol_ms: float) -> tuple[list[dict], s
             lo, hi = bootstrap_interval(res["harness"][key], res["sglang"][key], metric == "itl")
             band = max(abs_tol_ms, rel_tol * s)
             row["diff_ci95_ms"] = (lo, hi)
-            row["verdict"] = ("agree" if abs(diff) <= band else
-                              "disagree" if hi < -band or lo > band else "inconclusive")
+            if abs(diff) <= band:
+                row["verdict"] = "agree"
+            elif -band <= hi and lo <= band:
+                row["verdict"], row["why"] = "inconclusive", "within sampling noise"
+            elif _explained_by_server(metric, ref, band, s):
+                row["verdict"], row["why"] = "inconclusive", "the server itself changed speed between the runs"
+            else:
+                row["verdict"] = "disagree"
         rows.append(row)
     verdicts = {r["verdict"] for r in rows if r["checked"]}
     overall = "disagree" if "disagree" in verdicts else "inconclusive" if "inconclusive" in verdicts else "agree"
@@ -302,7 +321,8 @@ def print_summary(summary: dict, res: dict, out: Path) -> None:
         rel = f"{100 * r['diff_rel']:+.1f}%" if r["diff_rel"] is not None else "-"
         ci = "[{:+.2f}, {:+.2f}]".format(*r["diff_ci95_ms"]) if "diff_ci95_ms" in r else ""
         print(f"{r['metric']:10s} {_f(r['harness_ms']):>11s} {_f(r['sglang_ms']):>10s} "
-              f"{_f(r['diff_ms'], '+.2f'):>8s} {rel:>7s}  {ci:>21s}  {r['verdict'] or '(shown only)'}")
+              f"{_f(r['diff_ms'], '+.2f'):>8s} {rel:>7s}  {ci:>21s}  {r['verdict'] or '(shown only)'}"
+              + (f" ({r['why']})" if r.get("why") else ""))
     for run in summary["runs"]:
         sv = run["server"]
         server = (f"server /metrics TTFT mean {_f(sv['ttft']['mean_ms'], '.1f')} p50~{_f(sv['ttft']['p50_ms'], '.1f')}, "
@@ -316,8 +336,7 @@ def print_summary(summary: dict, res: dict, out: Path) -> None:
         print(f"against the server's own histograms of each run: client TTFT mean minus server's "
               f"{h['ttft_client_minus_server_ms']:+.2f} ms (harness) vs {s['ttft_client_minus_server_ms']:+.2f} ms "
               f"(sglang); client ITL mean / server's {h['itl_client_over_server']:.3f} vs {s['itl_client_over_server']:.3f}")
-    advice = " (sampling noise exceeds the tolerance: raise --requests or use a quieter machine)" \
-        if summary["verdict"] == "inconclusive" else ""
+    advice = " (raise --requests, or rerun on a quieter machine)" if summary["verdict"] == "inconclusive" else ""
     tol = summary["tolerance"]
     print(f"tolerance: within {100 * tol['rel']:.0f}% or {tol['abs_ms']} ms -> {summary['verdict'].upper()}"
           f"{advice}; details in {out}/crosscheck.json")
@@ -342,10 +361,11 @@ def main(argv=None) -> int:
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows, verdict = compare(res, args.rel_tol, args.abs_tol_ms)
+    ref = server_referenced(res["runs"])
+    rows, verdict = compare(res, args.rel_tol, args.abs_tol_ms, ref)
     summary = {"url": args.url, "mode": args.mode, "tolerance": {"rel": args.rel_tol, "abs_ms": args.abs_tol_ms},
                "workload": {k: getattr(args, k) for k in ("concurrency", "requests", "input_len", "max_tokens", "rounds")},
-               "medians": rows, "verdict": verdict, "server_referenced": server_referenced(res["runs"]),
+               "medians": rows, "verdict": verdict, "server_referenced": ref,
                "runs": res["runs"], "window_s": res.get("window_s"),
                "counts": {t: {"requests": len(res[t]["ttft"]), "failed": res[t]["failed"]} for t in ("harness", "sglang")}}
     (out / "crosscheck.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -79,6 +79,18 @@ def kill_namespace_pids(ns: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
 
 
+def listening_ports(rank: int) -> set[int]:
+    """TCP ports listened on in namespace NS[rank] (IPv4 and IPv6)."""
+    out = subprocess.run(in_ns(rank, ["cat", "/proc/net/tcp", "/proc/net/tcp6"]), capture_output=True,
+                         text=True, timeout=30).stdout
+    ports = set()
+    for line in out.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def in_ns(rank: int, cmd: list[str]) -> list[str]:
     return ["ip", "netns", "exec", NS[rank], *cmd]
 
@@ -136,8 +148,9 @@ class Node:
         return f"--- node {self.rank} log ({self.log_path}) ---\n" + "\n".join(lines[-n:])
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
+        """SIGKILL the node's process group: also children left behind by a node that exited."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=30)
@@ -163,23 +176,61 @@ def node_env(rank: int, *, master_addr: str = ADDR[0], master_port: int, http_po
 
 
 # ------------------------------------------------------------------ client (in node 0's namespace)
-def run_client(url: str, payload: dict, path: str, timeout: float, echo: bool = False) -> dict:
-    """One request; a streamed one reports each chunk's arrival as it comes (a JSON line on
-    stdout), then one summary line: {"done": bool, "error": str|None, "chunks": [...]}"""
-    import http.client
-    import urllib.error
-    import urllib.request
+class StreamBroken(ConnectionError):
+    """The server closed the connection in the middle of a chunked response."""
 
-    body = json.dumps(payload).encode()
-    req = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+
+def _stream_lines(resp):
+    """The body's lines, decoding the chunked framing here: Python's http.client treats a
+    connection closed before the terminating zero-size chunk as a normal end (urllib's reader
+    just stops); curl reports it ("transfer closed with outstanding read data"), and so do we."""
+    fp, buf = resp.fp, b""
+    if not resp.chunked:
+        yield from fp
+        return
+    while True:
+        size_line = fp.readline()
+        if not size_line:
+            raise StreamBroken("connection closed in the middle of the streamed response "
+                               "(no terminating chunk)")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return  # the server ended the response properly
+        data = fp.read(size + 2)  # the chunk and its CRLF
+        if len(data) < size + 2:
+            raise StreamBroken("connection closed in the middle of a chunk")
+        buf += data[:size]
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line
+
+
+def run_client(url: str, payload: dict, path: str, timeout: float, echo: bool = False) -> dict:
+    """One request (POST; GET for an empty payload). A streamed one reports each chunk's
+    arrival as it comes (a JSON line on stdout when `echo`). Returns {"done": bool,
+    "error": str|None, "client_timeout": bool, "chunks": [...], "elapsed": s} (and "reply"
+    for a request that is not streamed). `client_timeout`: the server said nothing for
+    `timeout` s, which the tests count as silence, not as an error from the server."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
     start = time.monotonic()
-    chunks, done, error = [], False, None
+    chunks, done, error, client_timeout = [], False, None, False
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            if not payload.get("stream"):
-                return {"done": True, "error": None, "reply": json.loads(resp.read()),
-                        "elapsed": time.monotonic() - start}
-            for raw in resp:
+        if payload:
+            conn.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
+        else:
+            conn.request("GET", path)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            error = f"HTTP {resp.status}: {resp.read()[:500]!r}"
+        elif not payload.get("stream"):
+            return {"done": True, "error": None, "client_timeout": False, "chunks": [],
+                    "reply": json.loads(resp.read()), "elapsed": time.monotonic() - start}
+        else:
+            for raw in _stream_lines(resp):
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue
@@ -194,13 +245,14 @@ def run_client(url: str, payload: dict, path: str, timeout: float, echo: bool = 
                 chunks.append(obj)
                 if echo:
                     print(json.dumps({"chunk": len(chunks), "t": time.monotonic() - start}), flush=True)
-    except (OSError, http.client.HTTPException, urllib.error.URLError) as e:
+            else:
+                error = "the stream ended without [DONE]"
+    except (OSError, http.client.HTTPException) as e:
         error = f"{type(e).__name__}: {e}"
-        # The client's own socket timeout: the server said nothing for `timeout` s (silence).
-        client_timeout = isinstance(e, TimeoutError) or "timed out" in str(e)
-        return {"done": False, "error": error, "client_timeout": client_timeout, "chunks": chunks,
-                "elapsed": time.monotonic() - start}
-    return {"done": done, "error": error, "client_timeout": False, "chunks": chunks,
+        client_timeout = isinstance(e, TimeoutError)
+    finally:
+        conn.close()
+    return {"done": done, "error": error, "client_timeout": client_timeout, "chunks": chunks,
             "elapsed": time.monotonic() - start}
 
 

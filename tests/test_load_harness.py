@@ -49,7 +49,7 @@ def _levels(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def two_levels(server, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_levels")
-    r = run_load("--url", server.url, "--concurrency", "1,3", "--duration", "4", "--max-tokens", str(MAX_TOKENS),
+    r = run_load("--url", server.url, "--concurrency", "1,3", "--duration", "3", "--max-tokens", str(MAX_TOKENS),
                  "--input-len", "32", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     return out
@@ -60,7 +60,7 @@ def test_every_request_accounted_for_and_consistent(two_levels):
     assert [lv["concurrency"] for lv in levels] == [1, 3]
     for lv in levels:
         recs = loadstats.read_records(two_levels / lv["records"])
-        assert len(recs) >= lv["concurrency"]  # a 4 s level finishes at least one request per user
+        assert len(recs) >= lv["concurrency"]  # a 3 s level finishes at least one request per user
         # locust's own count and ours agree, and sequence numbers have no gap: nothing dropped.
         assert lv["locust"] == {"requests": len(recs), "failures": 0}
         assert sorted(r["seq"] for r in recs) == list(range(len(recs)))
@@ -257,6 +257,12 @@ def test_text_dataset_over_native_generate(server, tmp_path):
     assert lv["records"].endswith(".jsonl") and len(recs) == 4
     # Sent as text: the server tokenizes it again (adding BOS), so the length is close, not exact.
     assert all(r["ok"] and r["endpoint"] == "/generate" and 20 <= r["prompt_tokens"] <= 30 for r in recs)
+    # The same prompts as a file for the locust UI (--prompts-file).
+    r = run_load("--url", server.url, "--dataset", "text", "--dataset-path", str(text), "--input-len", "24",
+                 "--write-prompts", str(tmp_path / "prompts.jsonl"))
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert len(lines) >= 20 and all(p["input_len"] == 24 and p["text"] for p in lines)
     r = run_load("--url", server.url, "--dataset", "text", "--dataset-path", str(tmp_path / "missing.txt"),
                  "--out", str(tmp_path / "out2"))
     assert r.returncode == 2 and "missing.txt does not exist" in r.stderr

@@ -142,3 +142,20 @@ def test_crosscheck_verdicts():
     noisy_s = [0.1, 0.1, 3.0, 3.0, 3.0]
     rows, verdict = xc.compare(_xc_result(noisy_h, noisy_s, tight, tight), 0.10, 2.0)
     assert rows[0]["verdict"] == "inconclusive" and verdict == "inconclusive"
+
+
+def test_crosscheck_drift_explained_by_server_is_inconclusive_not_disagree():
+    import crosscheck_sglang as xc
+
+    rng = random.Random(1)
+    base = [[0.020 + rng.uniform(-1e-4, 1e-4) for _ in range(10)] for _ in range(20)]
+    slow = [[1.5 * g for g in r] for r in base]  # the machine was 1.5x slower during sglang's run
+    ttft = [0.1] * 20
+    res = _xc_result(ttft, ttft, base, slow)
+    same = {"ttft_client_minus_server_ms": 5.0, "itl_client_over_server": 1.0}
+    rows, verdict = xc.compare(res, 0.10, 2.0, {"harness": same, "sglang": dict(same)})
+    assert verdict == "inconclusive" and "changed speed" in rows[1]["why"]
+    # Without the server's view, or if the server did not move, the same gap is a disagreement.
+    assert xc.compare(res, 0.10, 2.0)[1] == "disagree"
+    off = {"harness": same, "sglang": dict(same, itl_client_over_server=1.5)}
+    assert xc.compare(res, 0.10, 2.0, off)[1] == "disagree"
