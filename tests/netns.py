@@ -116,7 +116,14 @@ class Node:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=REPO)
+        threading.Thread(target=self._watch, daemon=True).start()
         return self
+
+    def _watch(self) -> None:
+        """Records the exit time as it happens (the tests look later)."""
+        self.proc.wait()
+        if self.ended is None:
+            self.ended = time.monotonic()
 
     def poll(self) -> int | None:
         rc = self.proc.poll()
