@@ -1,4 +1,4 @@
-"""Static checks of the two-node deployment (docker/, deploy/, docs/deploy.md), with real tools.
+"""Static checks of the two-node deployment (docker/, deploy/, the README section), with real tools.
 
 - compose files: parsed and validated by Docker Compose itself (`docker-compose config`);
 - Dockerfiles: hadolint; shell scripts (and the Kubernetes command lines): shellcheck;
@@ -102,7 +102,7 @@ def entrypoint_defaults() -> dict[str, str]:
 
 
 def deploy_doc() -> tuple[Path, str]:
-    """The deployment section: in README.md once merged there, else docs/deploy.md."""
+    """The deployment section of README.md (docs/deploy.md in older trees)."""
     for path in (ROOT / "README.md", ROOT / "docs" / "deploy.md"):
         if path.exists() and re.search(r"^#+ Deploy on two nodes", path.read_text(), re.M):
             return path, path.read_text()
