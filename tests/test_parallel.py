@@ -3,9 +3,10 @@
 - overlap vs sync on the same ranks: the same gloo all-reduces of the same partials, added in
   the same order (one code path; only where wait() is called differs), and a two-rank sum is
   one commutative float add, so logprobs must be bit-identical, not merely close;
-- every layout against reference.py, greedy tokens equal and logprobs within LOGPROB_ATOL
-  (see test_server_parity.py for why 1e-4). test_server_parity.py shows TP=1 equals the
-  reference on the same prompts, so equality here is also equality with TP=1;
+- every layout (TP=2, TP=2/EP=2, two nodes) x every conversion (all layers, layers 2..3)
+  against reference.py: greedy tokens equal and logprobs within LOGPROB_ATOL (see
+  test_server_parity.py for why 1e-4). test_server_parity.py shows TP=1 equals the reference
+  on the same prompts, so equality here is also equality with TP=1;
 - the overlap instrumentation shows real deferral: on both lanes, at least one sub-block of
   compute ran between each launch and its wait, in prefill and in decode;
 - killing one node mid-request makes the other exit with an error, not hang.
@@ -75,19 +76,28 @@ def test_tp2_overlap_is_bit_identical_to_sync_and_defers_waits(checkpoints, tmp_
     _assert_matches_reference(overlap, load_reference(path))
 
 
-def test_tp2_ep2_layer_range_matches_reference(checkpoints):
-    path = str(checkpoints["range"])
-    with Server(["--model-path", path, "--tp", "2", "--ep-size", "2", *FLOAT32], env=ONE_THREAD) as server:
+LAYOUTS = {"tp2": ["--tp", "2"], "tp2-ep2": ["--tp", "2", "--ep-size", "2"]}
+CONVERTED = {"full": [0, 1, 2, 3], "range": [2, 3]}
+
+
+# TP=2 on the full checkpoint is already served (and compared) by the test above.
+@pytest.mark.parametrize("layout,conversion", [("tp2", "range"), ("tp2-ep2", "full"),
+                                               ("tp2-ep2", "range")])
+def test_layout_matches_reference(checkpoints, layout, conversion):
+    path = str(checkpoints[conversion])
+    with Server(["--model-path", path, *LAYOUTS[layout], *FLOAT32], env=ONE_THREAD) as server:
         server.wait_ready()
         ranks = server.get("/farskip/info")["ranks"]
         served = _served(server)
-    assert [r["moe_ep_size"] for r in ranks] == [2, 2]
-    assert ranks[0]["converted_layers"] == [2, 3]
+    assert [r["mode"] for r in ranks] == ["overlap", "overlap"]
+    assert [r["moe_ep_size"] for r in ranks] == [2 if "ep2" in layout else 1] * 2
+    assert [r["converted_layers"] for r in ranks] == [CONVERTED[conversion]] * 2
     _assert_matches_reference(served, load_reference(path))
 
 
-def test_two_nodes_on_loopback_match_reference_and_fail_fast_when_a_node_dies(checkpoints):
-    path = str(checkpoints["full"])
+@pytest.mark.parametrize("conversion", ["full", "range"])
+def test_two_nodes_on_loopback_match_reference_and_fail_fast_when_a_node_dies(checkpoints, conversion):
+    path = str(checkpoints[conversion])
     addr = f"127.0.0.1:{free_port()}"
 
     def node(rank: int) -> Server:
@@ -98,6 +108,7 @@ def test_two_nodes_on_loopback_match_reference_and_fail_fast_when_a_node_dies(ch
         node0.wait_ready()
         (rank0,) = node0.get("/farskip/info")["ranks"]  # node 0 reports its own rank only
         assert rank0["tp_size"] == 2 and rank0["mode"] == "overlap"
+        assert rank0["converted_layers"] == CONVERTED[conversion]
         _assert_matches_reference(_served(node0), load_reference(path))
 
         # A long request is in flight when node 1 dies.
