@@ -55,7 +55,7 @@ def test_async_equals_blocking_on_two_gloo_ranks():
     for rank in range(2):
         r = results[rank]
         assert r["bitwise"] and r["sum_ok"]
-        assert r["backends"] == ("blocking", "gloo-async")
+        assert r["backends"] == ("blocking", "comm-thread")
         stats = r["profile"]["prefill/0/routed"]
         assert stats["count"] == 1 and stats["min_steps_between"] == 1
         assert stats["comm_s"] >= 0 and stats["blocked_s"] >= 0

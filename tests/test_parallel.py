@@ -52,7 +52,7 @@ def test_tp2_overlap_is_bit_identical_to_sync_and_defers_waits(checkpoints, tmp_
         ranks = server.get("/farskip/info")["ranks"]
         overlap = _served(server)
     assert [r["mode"] for r in ranks] == ["overlap", "overlap"]
-    assert {r["comm_backend"] for r in ranks} == {"gloo-async"}
+    assert {r["comm_backend"] for r in ranks} == {"comm-thread"}
 
     for rank in (0, 1):
         stats = json.loads((profile / f"profile-rank{rank}.json").read_text())

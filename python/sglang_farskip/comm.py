@@ -12,13 +12,14 @@ Backends, chosen once per communicator:
 - identity (world size 1): the "sum" is the input.
 - blocking: the group's own all-reduce inside start_all_reduce (on GPU SGLang's
   GroupCoordinator picks custom AR / pynccl / NCCL). FarSkip's `sync` mode.
-- gloo async (CPU): `torch.distributed.all_reduce(t, group, async_op=True)` on the group's
-  gloo group; gloo's own C++ worker threads run it while the caller computes, and wait()
-  blocks on its Work. Launches are issued in program order on every rank; gloo may progress
-  two of them at once (both lanes), which on a bandwidth-bound link share the wire. A single
-  FIFO Python thread that ran each sum in turn was measured too, and was slower
-  (bench/README.md). Only FarSkip's collectives are in flight between the embedding and the
-  final norm, so no other collective on the group can interleave with them.
+- comm thread (CPU, gloo): one dedicated thread runs the group's blocking all-reduce for
+  every launch, strictly in launch order; wait() blocks on that launch's future. Why not
+  `all_reduce(async_op=True)`: gloo may run two async collectives at once, and on a
+  bandwidth-bound link the routed sum then shares the wire with the attention-lane sum that
+  the next layer needs first, delaying it (measured: no gain at all on a 20 mbit link). One
+  thread in program order is what the GPU side stream does too. Only FarSkip's collectives
+  are in flight between the embedding and the final norm, so no other collective on the
+  group can interleave with the thread's.
 - side stream (CUDA/HIP): see `SideStreamAllReduce`. Stream/event semantics:
     start: the side stream waits on the current stream (fork: the partial was produced
            there), the all-reduce is enqueued on the side stream, and one of a fixed ring of
@@ -48,6 +49,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
@@ -121,6 +123,33 @@ class OverlapProfiler:
         os.replace(tmp, self.out_path)
 
 
+class _CommThread:
+    """Runs `all_reduce` (blocking, returns the sum) for each launch on one thread, FIFO."""
+
+    def __init__(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]):
+        self._all_reduce = all_reduce
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="farskip-comm")
+
+    def start(self, tensor: torch.Tensor) -> "_Pending":
+        return _Pending(self._pool.submit(self._all_reduce, tensor))
+
+
+class _Pending:
+    """A launch on the comm thread, with the `wait()` / `is_completed()` of a c10d Work."""
+
+    __slots__ = ("_future", "result")
+
+    def __init__(self, future: Future):
+        self._future = future
+        self.result = None
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self.result = self._future.result()  # re-raises a failed collective here
+
+
 class Handle:
     """A started all-reduce. `wait()` returns the reduced tensor, once."""
 
@@ -128,7 +157,7 @@ class Handle:
 
     def __init__(self, tensor, work=None, event=None, record=None, profiler=None):
         self._tensor = tensor
-        self._work = work  # c10d Work of a gloo async_op all-reduce (CPU async)
+        self._work = work  # _Pending launch on the comm thread (CPU async)
         self._event = event  # torch.cuda.Event recorded on the side stream
         self._waited = False
         self._record = record
@@ -142,7 +171,9 @@ class Handle:
         if self._work is not None:
             if self._record is not None and self._record.t_done is None and self._work.is_completed():
                 self._record.t_done = t0  # finished since the last poll
-            self._work.wait()  # the sum is now in self._tensor (reduced in place)
+            self._work.wait()
+            if self._work.result is not None:
+                self._tensor = self._work.result
         if self._event is not None:
             torch.cuda.current_stream().wait_event(self._event)
         if self._record is not None:
@@ -196,6 +227,9 @@ class Communicator:
                 "use --farskip-mode sync"
             )
         self.profiler: Optional[OverlapProfiler] = None
+        self._thread = None
+        if self.asynchronous and side_stream is None:
+            self._thread = _CommThread(lambda t: group.all_reduce(t))
 
     def mark_compute(self) -> None:
         if self.profiler is not None:
@@ -211,7 +245,7 @@ class Communicator:
             return "identity"
         if not self.asynchronous:
             return "blocking"
-        return "side-stream" if self.side_stream is not None else "gloo-async"
+        return "side-stream" if self.side_stream is not None else "comm-thread"
 
     def start_all_reduce(self, tensor: torch.Tensor, *, lane: str = "", layer: int = -1) -> Handle:
         prof = self.profiler
@@ -223,7 +257,7 @@ class Communicator:
         elif self.side_stream is not None:
             out = Handle(tensor, event=self.side_stream.start(tensor), record=record, profiler=prof)
         else:
-            work = dist.all_reduce(tensor, group=self.group.device_group, async_op=True)
+            work = self._thread.start(tensor)
             if record is not None:
                 prof.track(record, work)
             out = Handle(tensor, work=work, record=record, profiler=prof)
