@@ -16,7 +16,9 @@ Backends, chosen once per communicator:
   every launch, strictly in launch order; wait() blocks on that launch's future. Why not
   `all_reduce(async_op=True)`: gloo may run two async collectives at once, and on a
   bandwidth-bound link the routed sum then shares the wire with the attention-lane sum that
-  the next layer needs first, delaying it (measured: no gain at all on a 20 mbit link). One
+  the next layer needs first (a first measurement said so, but its emulated link was flawed;
+  quiet re-measurements favour async_op, which however left a node hanging on a cut link:
+  see bench/README.md). One
   thread in program order is what the GPU side stream does too. Only FarSkip's collectives
   are in flight between the embedding and the final norm, so no other collective on the
   group can interleave with the thread's.
