@@ -261,6 +261,14 @@ def test_two_nodes_match_single_node_tp1(single_node, serving):
 
 
 # ------------------------------------------------------------------ failures while serving
+def node0_failed(dep, since: float, bound: float, event: str) -> tuple[int, float]:
+    """Node 0's exit code and its exit time after `since`; it must exit non-zero within `bound`."""
+    rc = dep.node0.wait(bound)
+    assert rc is not None, f"node 0 still runs {bound} s after {event}\n{dep.logs()}"
+    assert rc != 0, dep.logs()
+    return rc, dep.node0.ended - since
+
+
 def test_node1_killed_while_serving(serving):
     request = BackgroundClient(serving.http_port, LONG, timeout=CLIENT_TIMEOUT_S)
     try:
@@ -268,10 +276,7 @@ def test_node1_killed_while_serving(serving):
         mark = serving.node0.mark()
         serving.node1.kill()  # SIGKILL to node 1's whole process group
         killed = time.monotonic()
-        rc = serving.node0.wait(KILL_BOUND_S)
-        assert rc is not None, f"node 0 still runs {KILL_BOUND_S} s after node 1 died\n{serving.logs()}"
-        assert rc != 0, serving.logs()
-        exit_s = serving.node0.ended - killed
+        rc, exit_s = node0_failed(serving, killed, KILL_BOUND_S, "node 1 died")
         result = request.result(timeout=30)
     finally:
         request.kill()
@@ -295,10 +300,7 @@ def test_link_cut_while_serving(link, model, log_dir):
         mark = dep.node0.mark()
         link.set_up(1, False)  # node 1's end of the veth: no reset, packets just stop
         cut = time.monotonic()
-        rc = dep.node0.wait(CUT_BOUND_S)
-        assert rc is not None, f"node 0 still runs {CUT_BOUND_S} s after the cut\n{dep.logs()}"
-        assert rc != 0, dep.logs()
-        exit_s = dep.node0.ended - cut
+        rc, exit_s = node0_failed(dep, cut, CUT_BOUND_S, "the cut")
         result = request.result(timeout=30)
         node1_rc = dep.node1.wait(max(1.0, CUT_BOUND_S - (time.monotonic() - cut)))
     finally:
