@@ -67,6 +67,9 @@ def _as_int(cfg: Any, key: str, default: int) -> int:
     value = _get(cfg, key, default)
     if value is None:
         return default
+    # AMD's remote config class (trust_remote_code) defaults farskip_end_idx to the float 1e4.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise FarSkipConfigError(
             f"config.json key {key!r} must be an integer layer index, got {value!r}: fix config.json"

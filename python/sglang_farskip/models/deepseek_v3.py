@@ -177,6 +177,7 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         if active:
             _check_server_args()
         super().__init__(config, quant_config, prefix)
+        extra_report = self._extend_layers(config)
 
         parallel = get_parallel()
         effective = requested if farskip.enabled else FarSkipMode.OFF
@@ -220,6 +221,7 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
             "moe_ep_size": parallel.moe_ep_size,
             "pid": os.getpid(),
             "sglang_version": SGLANG_VERSION,
+            **extra_report,
         }
         write_rank_status(report)
         if parallel.tp_rank == 0:
@@ -227,6 +229,11 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
                 "sglang_farskip: %s, mode %s (requested %s), all-reduce %s",
                 report["description"], effective.value, requested.value, comm_backend,
             )
+
+    def _extend_layers(self, config) -> dict:
+        """Subclasses add their modules here (after upstream's layers exist, before the FarSkip
+        wiring and the report); returns extra fields for the rank report."""
+        return {}
 
 
 def _check_server_args() -> None:
