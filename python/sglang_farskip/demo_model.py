@@ -1,4 +1,6 @@
-"""A tiny FarSkip DeepSeek-V3 checkpoint, built locally and cached, for serving on CPU.
+"""Tiny FarSkip checkpoints, built locally and cached, for serving on CPU: DeepSeek-V3, and
+Instella-MoE (DeepSeek-V3 with q_lora_rank null, one expert group, two shared experts and a
+sigmoid gate on the attention output; the key names and config keys of AMD's release).
 
 Nothing is downloaded: the weights are seeded random numbers (Hugging Face transformers'
 own DeepseekV3ForCausalLM), the tokenizer is a byte-level BPE trained here on a few built-in
@@ -6,8 +8,9 @@ paragraphs. The same seed gives byte-identical files.
 
     from sglang_farskip.demo_model import ensure_demo_checkpoint
     path = ensure_demo_checkpoint()          # ~/.cache/sglang-farskip/tiny-dsv3-farskip-s0-<hash>
+    path = ensure_demo_checkpoint(kind="instella")   # .../tiny-instella-farskip-s0-<hash>
 
-    python -m sglang_farskip.demo_model [--cache-dir DIR] [--seed N]   # prints the path
+    python -m sglang_farskip.demo_model [--kind instella] [--cache-dir DIR] [--seed N]   # prints the path
 
 Notes for consumers (transformers 5.19, the pinned version):
 - RoPE settings live in `rope_parameters` (with `rope_theta` inside it); transformers 5 no
@@ -103,12 +106,60 @@ TINY = dict(
     dtype="bfloat16",
 )
 
+# Instella-MoE's differences from DeepSeek-V3, at the tiny scale (AMD's config.json, see
+# shared/notes/instella-moe.md): no query compression, one expert group, a 2-expert-wide shared
+# MLP, the attention gate, and only `"farskip": true` (AMD's config class defaults the range).
+INSTELLA_TINY = dict(
+    architectures=["InstellaMoEForCausalLM"],
+    q_lora_rank=None,
+    qk_nope_head_dim=48,
+    qk_rope_head_dim=16,
+    v_head_dim=64,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=2,
+    moe_intermediate_size=64,
+    gated_attention=True,
+    qk_layernorm=True,  # Megatron's name for the kv_a_layernorm that MLA has anyway: no tensors
+    # AMD ships remote code for its config class; ours (written here, see _REMOTE_CONFIG) makes
+    # `--trust-remote-code` take the same path, float farskip_end_idx default included.
+    auto_map={"AutoConfig": "configuration_instella_moe.InstellaMoEConfig"},
+)
+KINDS = ("deepseek-v3", "instella")
+
+_REMOTE_CONFIG = '''"""Config class for the tiny Instella-MoE demo checkpoint (sglang-farskip). Like the
+released checkpoint's own class it is transformers' DeepSeek-V3 config plus the FarSkip and
+gate keys, with AMD's defaults: FarSkip on every layer, the end index a float."""
+
+from transformers import DeepseekV3Config
+
+
+class InstellaMoEConfig(DeepseekV3Config):
+    model_type = "deepseek_v3"
+
+    def __init__(self, farskip=False, farskip_start_idx=0, farskip_end_idx=1e4, attn_only_farskip=False,
+                 mlp_only_farskip=False, gated_attention=False, qk_layernorm=True, **kwargs):
+        self.farskip = farskip
+        self.farskip_start_idx = farskip_start_idx
+        self.farskip_end_idx = farskip_end_idx
+        self.attn_only_farskip = attn_only_farskip
+        self.mlp_only_farskip = mlp_only_farskip
+        self.gated_attention = gated_attention
+        self.qk_layernorm = qk_layernorm
+        super().__init__(**kwargs)
+'''
+
 # Scales for re-randomised tensors. Inputs to the router and to lm_head are RMS-normalised
 # (per-element RMS ~1), so a weight std of c / sqrt(hidden) gives logits of std ~c.
 _ROUTER_LOGIT_STD = 2.0  # sigmoid scores spread widely (top-k varies by token) yet rarely saturate into ties
 _ROUTER_BIAS_RANGE = 0.1  # e_score_correction_bias ~ U(-0.1, 0.1): the bias visibly shifts choices
 _LM_HEAD_LOGIT_STD = 4.0  # top-2 logit gaps well above float32 noise: greedy decode has no ties
 _NORM_WEIGHT_RANGE = 0.25  # RMSNorm weights ~ 1 + U(-0.25, 0.25): a swapped norm changes outputs
+# Attention gate logits ~ N(0, 1.5^2) on normalised inputs: sigmoids spread over ~(0.05, 0.95), so
+# a gate read from the wrong input, skipped on one path or misaligned with the heads shows.
+_GATE_LOGIT_STD = 1.5
 # Token embeddings of norm ~1 (std 0.06 per element; transformers' 0.02 gives ~0.3): about the size
 # of the sum of all layer outputs, so token identity still steers routing in the last layer while
 # every sublayer's output (what FarSkip rewires) still moves the result.
@@ -252,13 +303,24 @@ def _rerandomise(model, seed: int) -> None:
 
 def demo_config(overrides: dict | None = None, farskip: FarSkipConfig | None = None) -> dict:
     """The config.json keys the builder passes to DeepseekV3Config (before transformers adds
-    its defaults). `farskip=None` writes no FarSkip keys: a plain DeepSeek-V3 checkpoint."""
+    its defaults). `farskip=None` writes no FarSkip keys: a plain DeepSeek-V3 checkpoint. An
+    Instella config (overrides from INSTELLA_TINY) with all-layer FarSkip writes only
+    `"farskip": true`, as AMD's does."""
     cfg = json.loads(json.dumps(TINY))  # deep copy
     cfg.update(json.loads(json.dumps(overrides or {})))
     if farskip is not None:
         farskip.check_layers(cfg["num_hidden_layers"])
-        cfg.update(farskip.to_hf_keys())
+        if cfg.get("gated_attention") and farskip == FarSkipConfig(enabled=True):
+            cfg["farskip"] = True
+        else:
+            cfg.update(farskip.to_hf_keys())
     return cfg
+
+
+def kind_overrides(kind: str) -> dict:
+    if kind not in KINDS:
+        raise ValueError(f"unknown demo model {kind!r}: choose one of {', '.join(KINDS)}")
+    return dict(INSTELLA_TINY) if kind == "instella" else {}
 
 
 @contextlib.contextmanager
@@ -291,7 +353,30 @@ def _build_into(tmp: Path, cfg: dict, seed: int) -> None:
     # save_pretrained records the in-memory dtype (float32); restore the serving dtype.
     saved = json.loads((tmp / "config.json").read_text())
     saved["dtype"] = cfg["dtype"]
+    saved["architectures"] = cfg["architectures"]  # save_pretrained writes the Python class's name
+    if cfg.get("gated_attention"):
+        _add_attention_gates(tmp, config, seed)
+        (tmp / "configuration_instella_moe.py").write_text(_REMOTE_CONFIG)
+        for key in ("farskip_start_idx", "farskip_end_idx", "attn_only_farskip", "mlp_only_farskip"):
+            if key not in cfg:
+                saved.pop(key, None)  # AMD's config.json leaves the range to the class defaults
     _write_json(tmp / "config.json", saved)
+
+
+def _add_attention_gates(tmp: Path, config, seed: int) -> None:
+    """transformers' DeepseekV3 has no attention gate: add `self_attn.gate_proj.weight`
+    [heads*v_head, hidden] per layer to the saved weights, under the released checkpoint's names."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(_derived_seed(seed, "attention-gate"))
+    file = tmp / "model.safetensors"
+    state = load_file(str(file))
+    shape = (config.num_attention_heads * config.v_head_dim, config.hidden_size)
+    for k in range(config.num_hidden_layers):
+        gate = torch.empty(shape).normal_(0.0, _GATE_LOGIT_STD / config.hidden_size**0.5, generator=gen)
+        state[f"model.layers.{k}.self_attn.gate_proj.weight"] = gate
+    save_file(state, str(file), metadata={"format": "pt"})
 
 
 def build_checkpoint(
@@ -330,7 +415,8 @@ def build_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     LOG.info(
-        "built tiny DeepSeek-V3 checkpoint (seed %d, %s) in %.1f s at %s",
+        "built tiny %s checkpoint (seed %d, %s) in %.1f s at %s",
+        cfg["architectures"][0],
         seed,
         farskip.describe(cfg["num_hidden_layers"]) if farskip is not None else "no FarSkip keys",
         time.monotonic() - start,
@@ -365,14 +451,13 @@ def default_demo_dir() -> Path:
     return base / "sglang-farskip"
 
 
-def demo_checkpoint_name(seed: int = 0) -> str:
+def demo_checkpoint_name(seed: int = 0, kind: str = "deepseek-v3") -> str:
     """Directory name of the cached demo checkpoint; the hash changes with the builder version
     and the config, so a changed builder builds afresh instead of reusing stale files."""
-    key = json.dumps(
-        {"builder": BUILDER_VERSION, "seed": seed, "config": demo_config(None, FarSkipConfig(enabled=True))},
-        sort_keys=True,
-    )
-    return f"tiny-dsv3-farskip-s{seed}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    cfg = demo_config(kind_overrides(kind), FarSkipConfig(enabled=True))
+    key = json.dumps({"builder": BUILDER_VERSION, "seed": seed, "config": cfg}, sort_keys=True)
+    stem = "tiny-instella" if kind == "instella" else "tiny-dsv3"
+    return f"{stem}-farskip-s{seed}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def _is_complete(path: Path) -> bool:
@@ -389,11 +474,11 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def ensure_demo_checkpoint(cache_dir: Path | str | None = None, seed: int = 0) -> Path:
-    """Return the cached demo checkpoint (FarSkip on every layer), building it if missing.
-    Safe to call from several processes at once: one builds, the others wait and reuse it."""
+def ensure_demo_checkpoint(cache_dir: Path | str | None = None, seed: int = 0, kind: str = "deepseek-v3") -> Path:
+    """Return the cached demo checkpoint of `kind` (FarSkip on every layer), building it if
+    missing. Safe to call from several processes at once: one builds, the others wait and reuse it."""
     root = (Path(cache_dir).expanduser() if cache_dir is not None else default_demo_dir()).absolute()
-    dst = root / demo_checkpoint_name(seed)
+    dst = root / demo_checkpoint_name(seed, kind)
     if _is_complete(dst):
         LOG.info("using cached demo checkpoint %s", dst)
         return dst
@@ -407,19 +492,20 @@ def ensure_demo_checkpoint(cache_dir: Path | str | None = None, seed: int = 0) -
             shutil.rmtree(stale, ignore_errors=True)
         if dst.exists():
             shutil.rmtree(dst)
-        return build_checkpoint(dst, seed=seed)
+        return build_checkpoint(dst, seed=seed, overrides=kind_overrides(kind))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sglang_farskip.demo_model",
-        description="Build (once) the tiny FarSkip DeepSeek-V3 demo checkpoint and print its path.",
+        description="Build (once) a tiny FarSkip demo checkpoint and print its path.",
     )
+    parser.add_argument("--kind", choices=KINDS, default="deepseek-v3")
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"default: {default_demo_dir()}")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
-    print(ensure_demo_checkpoint(args.cache_dir, args.seed))
+    print(ensure_demo_checkpoint(args.cache_dir, args.seed, args.kind))
     return 0
 
 

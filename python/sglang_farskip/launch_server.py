@@ -1,7 +1,8 @@
 """`python -m sglang_farskip.launch_server [--farskip-mode overlap|sync|off] [SGLang flags...]`
 
 Every SGLang flag passes through. What this adds to `python -m sglang.launch_server`:
-- no --model-path: build (once, cached) the tiny FarSkip demo checkpoint and serve it;
+- no --model-path: build (once, cached) a tiny FarSkip demo checkpoint and serve it
+  (`--demo deepseek-v3`, the default, or `--demo instella`);
 - no GPU, or --device cpu: the CPU environment and defaults SGLang needs, set here;
 - the checkpoint and flags are checked before anything starts: clear errors, exit code 2;
 - FarSkip mode reaches every worker as the config key `farskip_mode`;
@@ -22,11 +23,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from sglang_farskip import instella
 from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, FarSkipMode
 
 logger = logging.getLogger("sglang_farskip.launch")
 
-DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 ENV_STATUS = "SGLANG_FARSKIP_STATUS_DIR"
 
 
@@ -57,6 +58,11 @@ def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="record per-layer collective/wait timings into DIR (off by default)")
     parser.add_argument("--farskip-gpu-overlap", action="store_true",
                         help="use the side-stream all-reduce on GPU (not yet validated on hardware)")
+    parser.add_argument("--farskip-side-max-ctas", type=int, default=None,
+                        help="cap the CTAs (SMs) one side-stream all-reduce may take from "
+                             "overlapped compute (NCCL maxCTAs; default: NCCL's choice)")
+    parser.add_argument("--demo", choices=["deepseek-v3", "instella"], default=None,
+                        help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
     return parser.parse_known_args(argv)
 
 
@@ -91,14 +97,20 @@ def check_farskip(config: dict, model_path: str) -> FarSkipConfig:
         farskip = FarSkipConfig.from_hf_config(config)
     except FarSkipConfigError as e:
         raise LaunchError(f"{model_path}/config.json: {e}") from None
+    try:
+        problems = instella.gate_problems(config, instella.checkpoint_gate_shapes(model_path))
+    except ValueError as e:
+        raise LaunchError(f"{model_path}/config.json: {e}") from None
+    if problems:
+        raise LaunchError(f"{model_path}: {problems[0]}")
     if not farskip.enabled:
         return farskip
     archs = config.get("architectures") or []
-    if DEEPSEEK_V3 not in archs:
+    if instella.architecture(config) is None:
         raise LaunchError(
             f"{model_path}/config.json sets \"farskip\": true but the architecture is {archs}: "
-            f"FarSkip is implemented for {DEEPSEEK_V3} only; remove the farskip keys or use a "
-            "DeepSeek-V3 checkpoint"
+            f"FarSkip is implemented for {' and '.join(instella.FARSKIP_ARCHS)} only; remove the "
+            "farskip keys or use one of those checkpoints"
         )
     try:
         farskip.check_layers(int(config.get("num_hidden_layers", 0)))
@@ -127,6 +139,20 @@ def _cpu_setup(argv: list[str]) -> list[str]:
         if not _has_flag(argv, flag):
             argv = argv + [flag, value]
     return argv
+
+
+def gpu_overlap_graph_args(argv: list[str]) -> list[str]:
+    """With the GPU side stream, prefill runs without CUDA graphs unless the user chose a
+    prefill graph backend: SGLang's default on CUDA (breakable graphs) cuts the capture at every
+    attention, where the routed sum would still be in flight, so the model then joins that sum
+    before attention and it overlaps nothing (README, "GPU overlap")."""
+    if _has_flag(argv, "--cuda-graph-backend-prefill", "--disable-cuda-graph", "--disable-prefill-cuda-graph"):
+        logger.info("GPU overlap: keeping the prefill CUDA-graph setting given; under a breakable "
+                    "graph the routed all-reduce is joined before each attention (less overlap)")
+        return argv
+    logger.info("GPU overlap: added --cuda-graph-backend-prefill disabled (prefill runs eagerly, so "
+                "both all-reduce lanes overlap compute); pass --cuda-graph-backend-prefill to choose")
+    return argv + ["--cuda-graph-backend-prefill", "disabled"]
 
 
 def _check_stand_in() -> None:
@@ -200,11 +226,13 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     """Everything before the server starts; raises LaunchError on bad input."""
     own, argv = _split_own_flags(argv)
     demo = not _has_flag(argv, "--model-path", "--model")
+    if own.demo and not demo:
+        raise LaunchError("--demo picks a built-in model and --model-path a checkpoint: pass one of them")
     on_cpu = (_flag_value(argv, "--device") or ("cuda" if _gpu_present() else "cpu")) == "cpu"
     if demo:
         from sglang_farskip.demo_model import ensure_demo_checkpoint
 
-        path = ensure_demo_checkpoint()
+        path = ensure_demo_checkpoint(kind=own.demo or "deepseek-v3")
         logger.info("no --model-path: serving the built-in tiny FarSkip model from %s", path)
         argv = ["--model-path", str(path)] + argv
     model_path = _flag_value(argv, "--model-path", "--model")
@@ -217,6 +245,10 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     if on_cpu:
         argv = _cpu_setup(argv)
         _check_stand_in()
+    elif own.farskip_gpu_overlap and farskip.enabled and mode is FarSkipMode.OVERLAP:
+        argv = gpu_overlap_graph_args(argv)
+    if own.farskip_side_max_ctas is not None and own.farskip_side_max_ctas < 1:
+        raise LaunchError(f"--farskip-side-max-ctas {own.farskip_side_max_ctas}: give a positive CTA count")
 
     status_dir = tempfile.mkdtemp(prefix="sglang-farskip-status-")
     os.environ[ENV_STATUS] = status_dir
@@ -226,15 +258,14 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_farskip.compat import unsupported
-    from sglang_farskip.models.deepseek_v3 import FarSkipDeepseekV3ForCausalLM
-    from sglang_farskip.plugin import registered_class
+    from sglang_farskip.compat import unsupported, uses_side_stream
+    from sglang_farskip.plugin import unregistered
 
     load_plugins()
-    if registered_class() is not FarSkipDeepseekV3ForCausalLM:
+    if unregistered():
         raise LaunchError(
-            "the sglang_farskip plugin did not register (SGLang swallowed the error; see the "
-            "log above): reinstall with scripts/bootstrap.sh or `pip install --no-deps -e .`"
+            f"the sglang_farskip plugin did not register {unregistered()} (SGLang swallowed the "
+            "error; see the log above): reinstall with scripts/bootstrap.sh or `pip install --no-deps -e .`"
         )
     try:
         server_args = prepare_server_args(argv)
@@ -245,6 +276,8 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         overrides = json.loads(overrides or "{}")
     # SGLang keeps this flag as a JSON string and parses it in every process.
     farskip_keys = {"farskip_mode": mode.value, "farskip_gpu_overlap": own.farskip_gpu_overlap}
+    if own.farskip_side_max_ctas is not None:
+        farskip_keys["farskip_side_max_ctas"] = own.farskip_side_max_ctas
     if own.farskip_profile_dir:
         os.makedirs(own.farskip_profile_dir, exist_ok=True)
         farskip_keys["farskip_profile_dir"] = os.path.abspath(own.farskip_profile_dir)
@@ -254,8 +287,12 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     except (ValueError, AssertionError) as e:
         raise LaunchError(f"SGLang rejected the arguments: {e}") from None
     resolved = resolving_view(server_args)
+    _check_mla_layout(server_args, config)
     if farskip.enabled and mode is not FarSkipMode.OFF:
-        problems = unsupported(resolved)
+        overlap = mode is FarSkipMode.OVERLAP
+        keys = {**(overrides or {}), **farskip_keys}
+        problems = unsupported(resolved, overlap=overlap, profiling=bool(own.farskip_profile_dir),
+                               side_stream=overlap and uses_side_stream(resolved, argparse.Namespace(**keys)))
         if problems:
             raise LaunchError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
     launch_info = {
@@ -271,6 +308,25 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         "ready_timeout_s": own.farskip_ready_timeout,
     }
     return server_args, launch_info
+
+
+def _check_mla_layout(server_args, config: dict) -> None:
+    """SGLang picks the KV-cache layout from the architecture name; for Instella our plugin's
+    hook must have made it MLA, or the cache would be laid out per head and the model garbage."""
+    if instella.architecture(config) != instella.INSTELLA_ARCH:
+        return
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+    from sglang.srt.configs.model_config import AttentionArch
+
+    model_config = model_config_of(server_args)
+    if model_config.attention_arch != AttentionArch.MLA:
+        raise LaunchError(
+            f"SGLang derived a {model_config.attention_arch} KV-cache layout for {instella.INSTELLA_ARCH}: "
+            "the sglang_farskip MLA hook is not active (see the log above for 'Failed to apply hooks'); "
+            "reinstall with scripts/bootstrap.sh"
+        )
+    logger.info("%s: MLA KV cache, latent %d + rope %d", instella.INSTELLA_ARCH,
+                model_config.kv_lora_rank, model_config.qk_rope_head_dim)
 
 
 def main(argv: list[str] | None = None) -> int:

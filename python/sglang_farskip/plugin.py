@@ -3,13 +3,16 @@
 SGLang calls `register()` in every process it starts (HTTP server, each scheduler/TP worker,
 detokenizer), because spawned workers inherit none of a launcher's in-memory changes. It
 1. applies the CPU fixes when SGLang runs on CPU (see cpu_support.py);
-2. puts the FarSkip class in SGLang's model registry under "DeepseekV3ForCausalLM".
+2. puts the FarSkip classes in SGLang's model registry under "DeepseekV3ForCausalLM" and
+   "InstellaMoEForCausalLM";
+3. hooks SGLang's model-shape derivation so that "InstellaMoEForCausalLM" gets the MLA KV-cache
+   layout (SGLang recognises MLA from a hard-coded list of architecture names).
 
 The class is upstream's whenever config.json says `"farskip": false`, so plain DeepSeek-V3
 checkpoints are served exactly as stock SGLang serves them.
 
-SGLang logs and swallows any exception raised here; `registered_class()` lets the launcher
-check that registration really happened.
+SGLang logs and swallows any exception raised here; `unregistered()` lets the launcher check
+that registration really happened (and the launcher checks the KV layout SGLang derives).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ import logging
 
 logger = logging.getLogger("sglang_farskip.plugin")
 
-ARCHITECTURE = "DeepseekV3ForCausalLM"
+from sglang_farskip.cpu_support import quiet_known_cpu_noise
+from sglang_farskip.instella import DEEPSEEK_V3_ARCH, INSTELLA_ARCH
+
+# Before SGLang's imports that print it (SGLang imports this module, then its own, then calls it).
+quiet_known_cpu_noise()
+
+# SGLang's MLA branch in ModelConfig._derive_model_shapes (model_config.py:1366) keys on this name.
+_MLA_ALIAS = DEEPSEEK_V3_ARCH
 
 
 def register_cpu_support() -> None:
@@ -29,20 +39,45 @@ def register_cpu_support() -> None:
         apply_cpu_fixes()
 
 
-def register() -> None:
-    """Entry point `farskip`: the CPU fixes and the FarSkip model class."""
-    from sglang.srt.models.registry import ModelRegistry
-
+def _classes() -> dict:
     from sglang_farskip.models.deepseek_v3 import FarSkipDeepseekV3ForCausalLM
+    from sglang_farskip.models.instella_moe import InstellaMoEForCausalLM
+
+    return {DEEPSEEK_V3_ARCH: FarSkipDeepseekV3ForCausalLM, INSTELLA_ARCH: InstellaMoEForCausalLM}
+
+
+def _derive_shapes_as_mla(original, model_config, *args, **kwargs):
+    """AROUND hook: for Instella, run upstream's shape derivation as if the architecture list
+    also named DeepSeek-V3, so upstream's own MLA branch sets the KV layout, head sizes and
+    softmax scale; the list is restored before anything else reads it."""
+    archs = model_config.hf_config.architectures
+    if not archs or INSTELLA_ARCH not in archs:
+        return original(model_config, *args, **kwargs)
+    model_config.hf_config.architectures = [*archs, _MLA_ALIAS]
+    try:
+        return original(model_config, *args, **kwargs)
+    finally:
+        model_config.hf_config.architectures = archs
+
+
+def register() -> None:
+    """Entry point `farskip`: the CPU fixes, the FarSkip model classes, the MLA hook."""
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     register_cpu_support()
-    ModelRegistry.models[ARCHITECTURE] = FarSkipDeepseekV3ForCausalLM
-    logger.info("sglang_farskip: %s -> %s", ARCHITECTURE, FarSkipDeepseekV3ForCausalLM.__qualname__)
+    for arch, cls in _classes().items():
+        ModelRegistry.models[arch] = cls
+        logger.info("sglang_farskip: %s -> %s", arch, cls.__qualname__)
+    HookRegistry.register(
+        "sglang.srt.configs.model_config.ModelConfig._derive_model_shapes",
+        _derive_shapes_as_mla,
+        HookType.AROUND,
+    )
 
 
-def registered_class():
-    """The class SGLang will build for DeepSeek-V3 checkpoints in this process."""
+def unregistered() -> list[str]:
+    """The architectures for which SGLang would not build our class in this process."""
     from sglang.srt.models.registry import ModelRegistry
 
-    cls, _ = ModelRegistry.resolve_model_cls([ARCHITECTURE])
-    return cls
+    return [arch for arch, cls in _classes().items() if ModelRegistry.models.get(arch) is not cls]

@@ -58,6 +58,7 @@ class ModelArgs:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     rope_interleave: bool = True  # DeepSeek's checkpoints pair rope dims as (x0,x1),(x2,x3),...
+    gated_attention: bool = False  # Instella-MoE: attention output * sigmoid(gate_proj(x)) before o_proj
     rope: dict = dataclasses.field(default_factory=dict)  # rope_parameters / rope_scaling + rope_theta
     raw: dict = dataclasses.field(default_factory=dict, repr=False)  # all of config.json
 
@@ -164,7 +165,9 @@ class MLP(nn.Module):
 class MLA(nn.Module):
     """Multi-head latent attention. Queries: q_proj, or low-rank q_a_proj -> RMSNorm -> q_b_proj.
     Keys/values: one shared latent (kv_lora_rank) plus one shared rope key (qk_rope_head_dim) per
-    token, expanded per head by kv_b_proj. Only the rope dims are rotated."""
+    token, expanded per head by kv_b_proj. Only the rope dims are rotated. With gated_attention
+    (Instella-MoE) every head's output channel is scaled by sigmoid(gate_proj(x)) of the attention's
+    own input x before o_proj."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -180,6 +183,8 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, nh * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.o_proj = nn.Linear(nh * a.v_head_dim, H, bias=a.attention_bias)
+        if a.gated_attention:
+            self.gate_proj = nn.Linear(H, nh * a.v_head_dim, bias=False)
         self.scale = softmax_scale(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -199,7 +204,10 @@ class MLA(nn.Module):
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).to(v.dtype)
         out = torch.einsum("hts,shd->thd", probs, v)  # [T, nh, v_head_dim]
-        return self.o_proj(out.reshape(T, nh * a.v_head_dim))  # [T, nh, v] -> [T, nh*v]
+        out = out.reshape(T, nh * a.v_head_dim)  # [T, nh, v] -> [T, nh*v], head-major like the gate
+        if a.gated_attention:
+            out = out * torch.sigmoid(self.gate_proj(x))
+        return self.o_proj(out)
 
 
 class Router(nn.Module):

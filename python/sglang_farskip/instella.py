@@ -1,0 +1,121 @@
+"""Instella-MoE checkpoint rules: which architectures we serve, and the attention gate's tensors.
+
+AMD's Instella-MoE (`InstellaMoEForCausalLM`, `model_type: deepseek_v3`) is DeepSeek-V3 MLA + MoE
+with one addition, `"gated_attention": true`: per layer a `self_attn.gate_proj` [heads*v_head, H]
+whose sigmoid scales the attention output before o_proj. The rules live here, free of SGLang
+imports, so that the launcher can check a checkpoint's file headers before anything starts and
+the model's weight loader applies the very same rules while it streams the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+DEEPSEEK_V3_ARCH = "DeepseekV3ForCausalLM"
+INSTELLA_ARCH = "InstellaMoEForCausalLM"
+FARSKIP_ARCHS = (DEEPSEEK_V3_ARCH, INSTELLA_ARCH)  # what sglang_farskip registers with SGLang
+
+GATE_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.gate_proj\.weight$")
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+
+
+def architecture(cfg: Any) -> str | None:
+    """The first of config.json's architectures that we serve, else None."""
+    archs = _get(cfg, "architectures") or []
+    return next((a for a in archs if a in FARSKIP_ARCHS), None)
+
+
+def gated_attention(cfg: Any) -> bool:
+    value = _get(cfg, "gated_attention", False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json key 'gated_attention' must be true or false, got {value!r}: fix config.json")
+    return value
+
+
+def gate_shape(cfg: Any) -> tuple[int, int]:
+    """[heads * v_head_dim, hidden_size]: one gate per head and value channel, head-major."""
+    return (_get(cfg, "num_attention_heads") * _get(cfg, "v_head_dim"), _get(cfg, "hidden_size"))
+
+
+def gate_problems(cfg: Any, shapes: Mapping[int, tuple[int, ...]]) -> list[str]:
+    """What is wrong with a checkpoint's gate tensors ({layer: shape}) for this config.json;
+    each problem names the fix. Empty when the checkpoint can be served."""
+    num_layers = _get(cfg, "num_hidden_layers")
+    arch = architecture(cfg)
+    if not gated_attention(cfg):
+        if shapes:
+            return [
+                f"the checkpoint has attention gate tensors (model.layers.{min(shapes)}.self_attn."
+                "gate_proj.weight, ...) but config.json does not set \"gated_attention\": true; set it "
+                "(they would otherwise be ignored and the outputs wrong)"
+            ]
+        return []
+    if arch != INSTELLA_ARCH:
+        return [
+            f"config.json sets \"gated_attention\": true but the architecture is {arch or _get(cfg, 'architectures')}: "
+            f"the attention gate is implemented for {INSTELLA_ARCH} only; set architectures to "
+            f"[\"{INSTELLA_ARCH}\"]"
+        ]
+    if not shapes:
+        return [
+            "config.json sets \"gated_attention\": true but the checkpoint has no "
+            "model.layers.K.self_attn.gate_proj.weight tensors: the weights are incomplete (re-download "
+            "them), or set \"gated_attention\": false if the model has no gate"
+        ]
+    problems = []
+    missing = [k for k in range(num_layers) if k not in shapes]
+    if missing:
+        problems.append(
+            f"the checkpoint has no attention gate for layers {_span(missing)} "
+            f"(model.layers.K.self_attn.gate_proj.weight): the weights are incomplete; re-download them"
+        )
+    want = gate_shape(cfg)
+    wrong = {k: s for k, s in shapes.items() if tuple(s) != want}
+    if wrong:
+        k = min(wrong)
+        problems.append(
+            f"model.layers.{k}.self_attn.gate_proj.weight has shape {list(wrong[k])} "
+            f"(and {len(wrong) - 1} more layers wrong), expected {list(want)} = [num_attention_heads * "
+            "v_head_dim, hidden_size]: the weights do not belong to this config.json"
+        )
+    extra = sorted(k for k in shapes if k >= num_layers)
+    if extra:
+        problems.append(
+            f"the checkpoint has attention gates for layers {_span(extra)} beyond num_hidden_layers="
+            f"{num_layers}: the weights do not belong to this config.json"
+        )
+    return problems
+
+
+def _span(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 6 else f"{layers[0]}..{layers[-1]} ({len(layers)} layers)"
+
+
+def checkpoint_gate_shapes(path: str | Path) -> dict[int, tuple[int, ...]]:
+    """{layer: shape} of every gate tensor in a safetensors checkpoint, read from the file
+    headers only (a few KB per shard, whatever the checkpoint's size)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({f for name, f in weight_map.items() if GATE_KEY.match(name)})
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    shapes = {}
+    for file in files:
+        with safe_open(str(path / file), framework="pt") as f:
+            for name in f.keys():
+                m = GATE_KEY.match(name)
+                if m:
+                    shapes[int(m.group(1))] = tuple(f.get_slice(name).get_shape())
+    return shapes
