@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 
@@ -68,6 +69,47 @@ def cpu_default_args() -> list[tuple[str, str | None]]:
         ("--attention-backend", "torch_native"),
         ("--max-total-tokens", DEFAULT_MAX_TOTAL_TOKENS),
     ]
+
+
+# What SGLang prints on every CPU start that says nothing about this run: its model registry
+# imports every model module and logs each one whose CUDA-only dependency is missing (none is
+# a model served here: the FarSkip classes are registered by this package and the launcher
+# checks that), and its GPU-only quantization and kernel modules warn at import. Real warnings
+# and errors, including those of the same loggers, are kept.
+_NOISE_LOG_PREFIXES = {
+    "sglang.srt.models.registry": "Ignore import error when loading sglang.srt.models.",
+    "sglang.kernels.jit.utils.arch": "Cannot detect CUDA architecture",
+}
+_NOISE_WARNINGS = (
+    "Only CUDA, HIP and XPU support AWQ currently",
+    "Only CUDA, MUSA and NPU support GGUF quantization currently",
+    "Triton is not supported on current platform, roll back to CPU",
+)
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+_quieted = False
+
+
+def quiet_known_cpu_noise() -> None:
+    """On a CPU run, drop the messages above. Called when the plugin module is imported, which
+    SGLang does in each of its processes before the imports that print them. Idempotent."""
+    global _quieted
+    if _quieted or not is_cpu_run():
+        return
+    _quieted = True
+    for name, prefix in _NOISE_LOG_PREFIXES.items():
+        logging.getLogger(name).addFilter(_DropPrefix(prefix))
+    for message in _NOISE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 _applied = False
