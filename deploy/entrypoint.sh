@@ -18,7 +18,7 @@ set -euo pipefail
 # tests/test_deploy_static.py checks all three against this list.
 FARSKIP_ENV_VARS=(
   NODE_RANK NNODES MASTER_ADDR MASTER_PORT
-  MODEL_PATH TP_SIZE EP_SIZE FARSKIP_MODE HTTP_PORT
+  MODEL_PATH TP_SIZE EP_SIZE FARSKIP_MODE HTTP_HOST HTTP_PORT API_KEY FARSKIP_ALLOW_NO_API_KEY
   NET_IFNAME GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP
   DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING
   EXTRA_ARGS FARSKIP_PLATFORM FARSKIP_PYTHON FARSKIP_DRY_RUN
@@ -43,7 +43,10 @@ esac
 : "${TP_SIZE:=16}"
 : "${EP_SIZE:=16}"
 : "${FARSKIP_MODE:=overlap}"
+: "${HTTP_HOST:=0.0.0.0}"
 : "${HTTP_PORT:=30000}"
+# Anyone who reaches HTTP_PORT can use the API unless a key is set; see the check below.
+: "${FARSKIP_ALLOW_NO_API_KEY:=0}"
 # Bounds every collective, including the rendezvous: a peer that never arrives, dies or loses
 # its link makes the other node fail after about this long instead of hanging (torch's own
 # defaults: 10 min for NCCL, 30 min for gloo). Not shorter, because it must also cover the
@@ -109,6 +112,19 @@ case "$dry_run" in
   0 | 1) ;;
   *) err "FARSKIP_DRY_RUN=$dry_run is not 0 or 1: set FARSKIP_DRY_RUN=1 to print the command without starting" ;;
 esac
+
+case "$FARSKIP_ALLOW_NO_API_KEY" in
+  0 | 1) ;;
+  *) err "FARSKIP_ALLOW_NO_API_KEY=$FARSKIP_ALLOW_NO_API_KEY is not 0 or 1: set it to 1 only to serve without API_KEY beyond loopback" ;;
+esac
+# An open API on a GPU node's network is an open door: beyond loopback, a key or an explicit yes.
+case "$HTTP_HOST" in
+  127.* | ::1 | localhost) loopback=1 ;;
+  *) loopback=0 ;;
+esac
+if ((loopback == 0)) && [[ -z "${API_KEY:-}" && "$FARSKIP_ALLOW_NO_API_KEY" != 1 ]]; then
+  err "API_KEY is not set and the API would listen on HTTP_HOST=$HTTP_HOST: set API_KEY (clients send 'Authorization: Bearer <key>'), or set FARSKIP_ALLOW_NO_API_KEY=1 to serve without a key, or HTTP_HOST=127.0.0.1"
+fi
 
 case "$FARSKIP_MODE" in
   overlap | sync | off) ;;
@@ -287,8 +303,18 @@ cmd+=(
   --moe-a2a-backend none
   --nnodes "$NNODES" --node-rank "$NODE_RANK"
   --dist-timeout "$DIST_TIMEOUT"
-  --host 0.0.0.0 --port "$HTTP_PORT"
+  --host "$HTTP_HOST" --port "$HTTP_PORT"
 )
+# The launcher reads the key from FARSKIP_API_KEY and gives it to SGLang as --api-key, so it
+# never appears on a command line (ps shows those to every user of the node).
+api_key_set=0
+if [[ -n "${API_KEY:-}" ]]; then
+  export FARSKIP_API_KEY="$API_KEY"
+  api_key_set=1
+else
+  unset FARSKIP_API_KEY
+fi
+unset API_KEY
 if ((multinode)); then
   cmd+=(--dist-init-addr "$dist_init_addr")
 fi
@@ -313,6 +339,7 @@ if [[ "$dry_run" == 1 ]]; then
   for var in "${FARSKIP_ENV_VARS[@]}"; do
     if [[ -v "$var" ]]; then printf '%s=%q\n' "$var" "${!var}"; fi
   done
+  if ((api_key_set)); then echo "API_KEY=<set, not shown>"; fi
   printf '%q ' "${cmd[@]}"
   echo
   exit 0

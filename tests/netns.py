@@ -177,6 +177,7 @@ def node_env(rank: int, *, master_addr: str = ADDR[0], master_port: int, http_po
         "DIST_TIMEOUT": str(dist_timeout), "FARSKIP_PLATFORM": "cpu", "FARSKIP_PYTHON": PY,
         "EXTRA_ARGS": "--dtype float32",
         "OMP_NUM_THREADS": "1",  # one core per rank
+        "FARSKIP_ALLOW_NO_API_KEY": "1",  # the API listens only inside the test's namespace
     })
     env.update(extra or {})
     return env

@@ -45,6 +45,7 @@ PLATFORMS = ["rocm", "cuda", "cpu"]
 GPU_SERVICES = {"rocm": "farskip-rocm", "cuda": "farskip-cuda"}
 SHELL_SCRIPTS = [
     ENTRYPOINT, HEALTHCHECK, SBATCH, DOCKER / "build.sh", DOCKER / "install-farskip.sh",
+    DOCKER / "standin" / "python-base.sh", ROOT / ".ci" / "run",
 ]
 # Oldest Kubernetes minor these manifests claim to support (LWS itself needs >= 1.26), and the
 # newest kubernetes-validate knows.
@@ -256,8 +257,9 @@ def test_dockerfile_installs_like_every_other_install(platform):
     assert re.search(r"^HEALTHCHECK .*\n\s+CMD \[\"/opt/sglang-farskip/deploy/healthcheck\.sh\"\]",
                      text, re.M)
     assert f"ENV FARSKIP_PLATFORM={platform}" in text
-    # The base image comes from a build argument, i.e. from docker/versions.env.
-    (base,) = re.findall(r"^FROM \$\{(\w+)\}$", text, re.M)
+    # The base image comes from a build argument, i.e. from docker/versions.env (the CPU
+    # image's later stage starts from its own first stage).
+    (base,) = re.findall(r"^FROM \$\{(\w+)\}(?: AS [\w-]+)?$", text, re.M)
     assert base in versions()
     # The image copies the context, which its .dockerignore allow-list filters: that list must
     # let through what the image runs and installs. (patches/ may be absent: nothing to apply.)
@@ -460,12 +462,15 @@ def model(tmp_path) -> Path:
     return path
 
 
+TEST_API_KEY = "farskip-static-test-key"
+
+
 def good_env(model: Path, **overrides) -> dict[str, str]:
     """A valid two-node setting on this machine: both "nodes" on loopback."""
     env = {
         "PATH": os.environ["PATH"], "FARSKIP_PYTHON": sys.executable,
         "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "NET_IFNAME": "lo",
-        "MODEL_PATH": str(model), "FARSKIP_PLATFORM": "rocm",
+        "MODEL_PATH": str(model), "FARSKIP_PLATFORM": "rocm", "API_KEY": TEST_API_KEY,
     }
     env.update(overrides)
     return {k: v for k, v in env.items() if v is not None}
@@ -525,6 +530,22 @@ def test_entrypoint_single_node_demo(model):
     argv = command_of(check(env))
     assert "--model-path" not in argv and "--dist-init-addr" not in argv
     assert flag(argv, "--nnodes") == "1"
+
+
+def test_entrypoint_api_key_never_on_a_command_line(model):
+    proc = check(good_env(model))
+    assert TEST_API_KEY not in proc.stdout + proc.stderr
+    assert "--api-key" not in command_of(proc)  # the launcher takes it from FARSKIP_API_KEY
+    assert "API_KEY=<set, not shown>" in proc.stdout
+
+
+@pytest.mark.parametrize("overrides", [
+    {"API_KEY": None, "HTTP_HOST": "127.0.0.1"},
+    {"API_KEY": None, "FARSKIP_ALLOW_NO_API_KEY": "1"},
+], ids=["loopback", "opt-out"])
+def test_entrypoint_serves_without_a_key_on_loopback_or_by_choice(model, overrides):
+    argv = command_of(check(good_env(model, **overrides)))
+    assert flag(argv, "--host") == overrides.get("HTTP_HOST", "0.0.0.0")
 
 
 def test_entrypoint_ipv6_master_is_bracketed(model):
@@ -594,6 +615,8 @@ ERROR_CASES = {
     "NCCL_SOCKET_IFNAME matches nothing": ({"NCCL_SOCKET_IFNAME": "=lo0"}, "NCCL_SOCKET_IFNAME"),
     "unknown FARSKIP_PLATFORM": ({"FARSKIP_PLATFORM": "tpu"}, "FARSKIP_PLATFORM"),
     "FARSKIP_PYTHON missing": ({"FARSKIP_PYTHON": "/nonexistent/python3"}, "FARSKIP_PYTHON"),
+    "no API_KEY beyond loopback": ({"API_KEY": None}, "FARSKIP_ALLOW_NO_API_KEY=1"),
+    "FARSKIP_ALLOW_NO_API_KEY not 0/1": ({"FARSKIP_ALLOW_NO_API_KEY": "yes"}, "FARSKIP_ALLOW_NO_API_KEY"),
 }
 
 

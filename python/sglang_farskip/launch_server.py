@@ -225,6 +225,9 @@ def _add_info_route(status_dir: str, launch_info: dict) -> None:
 def prepare(argv: list[str]) -> tuple[object, dict]:
     """Everything before the server starts; raises LaunchError on bad input."""
     own, argv = _split_own_flags(argv)
+    # deploy/entrypoint.sh hands API_KEY over here rather than as --api-key: argv shows in ps.
+    if os.environ.get("FARSKIP_API_KEY") and not _has_flag(argv, "--api-key"):
+        argv = argv + ["--api-key", os.environ["FARSKIP_API_KEY"]]
     demo = not _has_flag(argv, "--model-path", "--model")
     if own.demo and not demo:
         raise LaunchError("--demo picks a built-in model and --model-path a checkpoint: pass one of them")
