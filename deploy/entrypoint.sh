@@ -20,7 +20,7 @@ FARSKIP_ENV_VARS=(
   NODE_RANK NNODES MASTER_ADDR MASTER_PORT
   MODEL_PATH TP_SIZE EP_SIZE FARSKIP_MODE HTTP_HOST HTTP_PORT API_KEY FARSKIP_ALLOW_NO_API_KEY
   NET_IFNAME GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP
-  DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING
+  DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING GPU_MAX_HW_QUEUES
   EXTRA_ARGS FARSKIP_PLATFORM FARSKIP_PYTHON FARSKIP_DRY_RUN
 )
 
@@ -61,6 +61,9 @@ esac
 # makes each wait() hold the CPU until the collective ends, which stalls the kernel launches
 # FarSkip queues behind its overlapped communication, and it cannot be graph-captured.)
 : "${TORCH_NCCL_ASYNC_ERROR_HANDLING:=1}"
+# ROCm: HIP maps streams onto this many hardware queues (4 by default); with 8 FarSkip's
+# side-stream all-reduce gets a queue of its own instead of waiting behind compute.
+: "${GPU_MAX_HW_QUEUES:=8}"
 : "${FARSKIP_PYTHON:=python3}"
 : "${GLOO_SOCKET_IFNAME:=${NET_IFNAME:-}}"
 : "${NCCL_SOCKET_IFNAME:=${NET_IFNAME:-}}"
@@ -286,6 +289,7 @@ PY
   fi
 fi
 export NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING
+if [[ "$FARSKIP_PLATFORM" == rocm ]]; then export GPU_MAX_HW_QUEUES; fi
 # Empty optional variables are unset rather than passed on: NCCL reads "" as a value.
 for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP; do
   if [[ -z "${!var:-}" ]]; then unset "$var"; fi

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sglang_farskip.comm import Communicator, Handle, OverlapProfiler
+from sglang_farskip.comm import Communicator, Handle, OverlapProfiler, SideStreamAllReduce, _GpuTiming
 
 from serverutil import free_port
 
@@ -82,3 +83,93 @@ def test_blocking_collective_counts_as_fully_blocked():
     comm.start_all_reduce(torch.ones(2), lane="attn", layer=3).wait()
     s = comm.profiler.snapshot()["prefill/3/attn"]
     assert s["min_steps_between"] == 0 and s["blocked_s"] >= s["comm_s"] * 0.99
+
+
+def _exception_worker(rank: int, port: int, results) -> None:
+    """Both ranks launch two sums, then the forward raises (as a shared error such as a bad
+    batch would on every rank). Rank 1 enters its collectives late, so rank 0's are provably
+    still running when it raises."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    comm = Communicator(TorchGroup(dist.group.WORLD), asynchronous=True)
+    parts = [torch.full((1024,), float(rank + 1) * (i + 1)) for i in range(2)]
+    in_flight_at_raise = None
+    try:
+        if rank == 1:
+            time.sleep(1.0)
+        handles = [comm.start_all_reduce(p, lane="routed", layer=i) for i, p in enumerate(parts)]
+        in_flight_at_raise = comm.in_flight()
+        raise RuntimeError("mid-forward failure")
+    except RuntimeError:
+        comm.drain()  # what FarSkipDeepseekV2Model.forward does on any exception
+    drained = not comm.in_flight()
+    # The dropped handles' tensors hold the completed sums: 1+2 and 2+4.
+    dropped = [float(h._tensor[0]) for h in handles]
+    nxt = comm.start_all_reduce(torch.full((8,), float(rank + 10))).wait()
+    results[rank] = {"in_flight_at_raise": in_flight_at_raise, "drained": drained,
+                     "dropped": dropped, "next": nxt.tolist()}
+    dist.destroy_process_group()
+
+
+def test_exception_mid_forward_leaves_no_collective_running():
+    results = mp.Manager().dict()
+    mp.spawn(_exception_worker, args=(free_port(), results), nprocs=2, join=True)
+    assert results[0]["in_flight_at_raise"] is True  # rank 1 had not joined yet
+    for rank in range(2):
+        r = results[rank]
+        assert r["drained"], r
+        assert r["dropped"] == [3.0, 6.0], r
+        assert r["next"] == [21.0] * 8, r  # 10 + 11: the next sum is the right one
+
+
+def test_join_then_wait_returns_the_sum_once():
+    class One:
+        world_size = 1
+
+    h = Communicator(One(), asynchronous=False).start_all_reduce(torch.ones(2))
+    assert torch.equal(h.join().wait(), torch.ones(2))
+    with pytest.raises(RuntimeError, match="waited twice"):
+        h.wait()
+    h2 = Communicator(One(), asynchronous=False).start_all_reduce(torch.ones(2))
+    h2.join()
+    with pytest.raises(RuntimeError, match="joined after"):
+        h2.join()
+
+
+def test_side_stream_refuses_a_strided_tensor_before_touching_a_stream():
+    # NCCL would reduce data_ptr() .. + numel(): a transposed view is other bytes. The check
+    # runs first, so it is exercised here without a GPU.
+    side = object.__new__(SideStreamAllReduce)
+    with pytest.raises(ValueError, match="contiguous"):
+        side.start(torch.zeros(4, 3).t())
+
+
+class _FakeGpuEvent:
+    """A CUDA event's timestamp, in ms, for the profiler's arithmetic on a CPU."""
+
+    def __init__(self, t_ms: float):
+        self.t_ms = t_ms
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_FakeGpuEvent") -> float:
+        return end.t_ms - self.t_ms
+
+
+def _gpu_timing(start, end, reached):
+    timing = object.__new__(_GpuTiming)
+    timing.start, timing.end, timing.reached = (_FakeGpuEvent(t) for t in (start, end, reached))
+    return timing
+
+
+def test_gpu_profile_counts_only_the_stall_at_the_join():
+    prof = OverlapProfiler()
+    # Ran 2..7 ms; the main stream reached the join at 5 ms: stalled 2 of its 5 ms.
+    prof.on_gpu_wait(prof.on_start("routed", 1), _gpu_timing(2.0, 7.0, 5.0))
+    # Ran 0..3 ms, joined at 4 ms: fully hidden.
+    prof.on_gpu_wait(prof.on_start("routed", 1), _gpu_timing(0.0, 3.0, 4.0))
+    assert prof.snapshot() == {}  # read only at flush: the events may not have completed
+    prof.flush()
+    s = prof.snapshot()["prefill/1/routed"]
+    assert s["count"] == 2
+    assert abs(s["comm_s"] - 8e-3) < 1e-12 and abs(s["blocked_s"] - 2e-3) < 1e-12

@@ -31,7 +31,15 @@ Backends, chosen once per communicator:
   graph capture are captured as graph dependencies; the events are created once and reused
   (fresh events per layer exhaust ROCm's HSA signal pool). All collectives of one
   communicator go through its one side stream in program order, so every rank issues them in
-  the same order and the communicator never runs concurrently with itself.
+  the same order and the communicator never runs concurrently with itself. The side stream
+  has high priority, so its all-reduce kernels are scheduled ahead of queued compute blocks
+  (a long GEMM would otherwise hold the SMs and turn overlap into serialisation).
+  `nccl_all_reduce_` builds the NCCL communicator it drives (SGLang's ctypes NCCL wrapper, a
+  communicator of FarSkip's own, connected and warmed up with the largest message at start-up).
+
+Exceptions: a launched collective may still be reading or writing its tensor. `drain()` makes
+the caller wait for every launched collective (the model calls it when a forward raises), so
+no collective outlives the forward that launched it and the next forward starts clean.
 
 Overlap measurement (`OverlapProfiler`, off unless attached): per (phase, layer, lane), the
 collective's duration (start to completion) and how long the caller was blocked in wait(),
@@ -42,10 +50,17 @@ GIL from the computing thread and doubled decode step time here. So a duration i
 the caller had to block, and otherwise an upper bound by at most one sub-block; the hidden
 fraction is correspondingly an upper bound. It also counts compute steps between a launch and
 its wait. With no profiler attached the only cost is one `is None` test per call.
+On a GPU the host only enqueues, so host clocks say nothing: there each collective is timed by
+CUDA events instead (start and end on the stream that runs it, and one on the waiting stream
+where it reaches the join), resolved at `flush()`: duration = end - start, blocked =
+max(0, end - reached); a blocking collective stalls its stream for all of it. Python records
+the events, so graph replays would go unrecorded: on a GPU the launcher refuses the profiler
+unless CUDA graphs are off.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import threading
@@ -78,6 +93,7 @@ class OverlapProfiler:
         self.compute_steps = 0
         self._inflight = []  # (record, Work) of async collectives not yet seen complete
         self._lock = threading.Lock()
+        self._gpu_pending = []  # (key, steps, _GpuTiming) joined but not yet read
         self.stats = defaultdict(lambda: {"count": 0, "comm_s": 0.0, "blocked_s": 0.0,
                                           "min_steps_between": None})
 
@@ -102,14 +118,27 @@ class OverlapProfiler:
 
     def on_wait(self, rec: _Record, blocked_s: float, t_end: float) -> None:
         done = rec.t_done if rec.t_done is not None else t_end
-        steps = self.compute_steps - rec.steps_at_start
+        self._add(rec.key, max(0.0, done - rec.t_start), blocked_s + rec.blocked_in_start,
+                  self.compute_steps - rec.steps_at_start)
+
+    def on_gpu_wait(self, rec: _Record, events: "_GpuTiming") -> None:
+        """A GPU collective joined: its events are read at the next flush()."""
+        self._gpu_pending.append((rec.key, self.compute_steps - rec.steps_at_start, events))
+
+    def _add(self, key, comm_s: float, blocked_s: float, steps: int) -> None:
         with self._lock:
-            s = self.stats[rec.key]
+            s = self.stats[key]
             s["count"] += 1
-            s["comm_s"] += max(0.0, done - rec.t_start)
-            s["blocked_s"] += blocked_s + rec.blocked_in_start
+            s["comm_s"] += comm_s
+            s["blocked_s"] += blocked_s
             if s["min_steps_between"] is None or steps < s["min_steps_between"]:
                 s["min_steps_between"] = steps
+
+    def resolve_gpu(self) -> None:
+        pending, self._gpu_pending = self._gpu_pending, []
+        for key, steps, ev in pending:
+            comm_ms, blocked_ms = ev.elapsed_ms()
+            self._add(key, comm_ms / 1e3, blocked_ms / 1e3, steps)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -117,6 +146,7 @@ class OverlapProfiler:
 
     def flush(self) -> None:
         """Write the cumulative snapshot (after every forward: a reader subtracts two)."""
+        self.resolve_gpu()
         if self.out_path is None:
             return
         tmp = f"{self.out_path}.tmp"
@@ -131,9 +161,19 @@ class _CommThread:
     def __init__(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]):
         self._all_reduce = all_reduce
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="farskip-comm")
+        self._last: Optional[Future] = None
 
     def start(self, tensor: torch.Tensor) -> "_Pending":
-        return _Pending(self._pool.submit(self._all_reduce, tensor))
+        self._last = self._pool.submit(self._all_reduce, tensor)
+        return _Pending(self._last)
+
+    def drain(self) -> None:
+        """Block until every launch so far has finished (FIFO: the last one finishes last)."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last])
+
+    def idle(self) -> bool:
+        return self._last is None or self._last.done()
 
 
 class _Pending:
@@ -152,16 +192,37 @@ class _Pending:
         self.result = self._future.result()  # re-raises a failed collective here
 
 
+class _GpuTiming:
+    """CUDA events of one GPU collective: `start`/`end` on the stream that runs it, `reached`
+    on the stream that joins it, recorded just before the join."""
+
+    __slots__ = ("start", "end", "reached")
+
+    def __init__(self):
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.reached = None
+
+    def elapsed_ms(self) -> tuple[float, float]:
+        """(duration, time the joining stream stalled for it), both in ms."""
+        self.end.synchronize()
+        self.reached.synchronize()
+        return self.start.elapsed_time(self.end), max(0.0, self.reached.elapsed_time(self.end))
+
+
 class Handle:
     """A started all-reduce. `wait()` returns the reduced tensor, once."""
 
-    __slots__ = ("_tensor", "_work", "_event", "_waited", "_record", "_profiler")
+    __slots__ = ("_tensor", "_work", "_event", "_timing", "_waited", "_joined", "_record",
+                 "_profiler")
 
-    def __init__(self, tensor, work=None, event=None, record=None, profiler=None):
+    def __init__(self, tensor, work=None, event=None, record=None, profiler=None, timing=None):
         self._tensor = tensor
         self._work = work  # _Pending launch on the comm thread (CPU async)
         self._event = event  # torch.cuda.Event recorded on the side stream
+        self._timing = timing  # _GpuTiming when a profiler is attached on a GPU
         self._waited = False
+        self._joined = False
         self._record = record
         self._profiler = profiler
 
@@ -169,45 +230,157 @@ class Handle:
         if self._waited:
             raise RuntimeError("all-reduce handle waited twice: the FarSkip schedule is wrong")
         self._waited = True
-        t0 = time.perf_counter() if self._record is not None else 0.0
+        if not self._joined:
+            self._join()
+        tensor, self._tensor = self._tensor, None
+        return tensor
+
+    def join(self) -> "Handle":
+        """Wait for the sum now and return it later with wait(), for a caller that must not
+        keep the collective in flight across some point (a CUDA-graph break)."""
+        if self._waited or self._joined:
+            raise RuntimeError("all-reduce handle joined after a join or wait: the FarSkip schedule is wrong")
+        self._join()
+        return self
+
+    def _join(self) -> None:
+        self._joined = True
+        rec = self._record
+        t0 = time.perf_counter() if rec is not None else 0.0
         if self._work is not None:
-            if self._record is not None and self._record.t_done is None and self._work.is_completed():
-                self._record.t_done = t0  # finished since the last poll
+            if rec is not None and rec.t_done is None and self._work.is_completed():
+                rec.t_done = t0  # finished since the last poll
             self._work.wait()
             if self._work.result is not None:
                 self._tensor = self._work.result
         if self._event is not None:
+            if self._timing is not None:
+                self._timing.reached = torch.cuda.Event(enable_timing=True)
+                self._timing.reached.record()
             torch.cuda.current_stream().wait_event(self._event)
-        if self._record is not None:
-            t1 = time.perf_counter()
-            self._profiler.on_wait(self._record, t1 - t0, t1)
-        tensor, self._tensor, self._work, self._event = self._tensor, None, None, None
-        return tensor
+        if rec is not None:
+            if self._timing is not None:
+                self._profiler.on_gpu_wait(rec, self._timing)
+            else:
+                t1 = time.perf_counter()
+                self._profiler.on_wait(rec, t1 - t0, t1)
+        self._work, self._event, self._timing = None, None, None
 
 
 class SideStreamAllReduce:
-    """All-reduce on a dedicated CUDA/HIP stream with a persistent ring of events.
+    """All-reduce on a dedicated high-priority CUDA/HIP stream with a persistent ring of events.
 
-    `all_reduce_` reduces a tensor in place on the *current* stream (SGLang's dedicated
-    PyNcclCommunicator, or `torch.distributed.all_reduce` on an NCCL group in plain torch);
-    this class makes that the side stream. Needs only torch.
+    `all_reduce_` reduces a tensor in place on the *current* stream (`nccl_all_reduce_`, or
+    `torch.distributed.all_reduce` on an NCCL group in plain torch); this class makes that the
+    side stream. Needs only torch.
     """
 
     def __init__(self, all_reduce_: Callable[[torch.Tensor], None], device=None, ring: int = 8):
         self.all_reduce_ = all_reduce_
-        self.stream = torch.cuda.Stream(device=device)
+        self.device = torch.device(device) if device is not None else torch.device("cuda")
+        _, highest = torch.cuda.Stream.priority_range()
+        self.stream = torch.cuda.Stream(device=self.device, priority=highest)
         # More events than collectives that can be in flight at once (FarSkip: two lanes).
         self.events = [torch.cuda.Event() for _ in range(ring)]
         self._next = 0
 
-    def start(self, tensor: torch.Tensor) -> torch.cuda.Event:
+    def start(self, tensor: torch.Tensor, timing: Optional[_GpuTiming] = None) -> torch.cuda.Event:
+        if not tensor.is_contiguous():
+            # NCCL reduces data_ptr() .. data_ptr() + numel(): a strided view would mix in
+            # bytes that are not the tensor's.
+            raise ValueError(
+                f"side-stream all-reduce needs a contiguous tensor (shape {tuple(tensor.shape)}, "
+                f"stride {tensor.stride()}): call .contiguous() before start_all_reduce"
+            )
         self.stream.wait_stream(torch.cuda.current_stream())  # fork
         with torch.cuda.stream(self.stream):
+            if timing is not None:
+                timing.start.record()
             self.all_reduce_(tensor)
+            if timing is not None:
+                timing.end.record()
         event = self.events[self._next]
         self._next = (self._next + 1) % len(self.events)
         event.record(self.stream)
         return event
+
+    def warm_up(self, numels: list[int], dtype: torch.dtype) -> int:
+        """All-reduces of the given sizes, so NCCL sets up its buffers for them now: before
+        SGLang sizes the KV pool from free memory (a first big prefill could otherwise run out
+        of memory). Returns the device bytes this kept."""
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        for numel in numels:
+            t = torch.zeros(numel, dtype=dtype, device=self.device)
+            torch.cuda.current_stream(self.device).wait_event(self.start(t))
+            torch.cuda.synchronize(self.device)
+            del t
+        torch.cuda.empty_cache()
+        return free_before - torch.cuda.mem_get_info(self.device)[0]
+
+
+def fork_join_probe(all_reduce_: Callable[[torch.Tensor], None], sleep_cycles: int = 2_000_000
+                    ) -> Callable[[torch.Tensor], None]:
+    """Test only: the same sum, but the stream running it doubles the tensor, sleeps (~1 ms),
+    reduces, and halves it (exact in binary floating point). Without the fork the doubling
+    races the kernel still writing the tensor (the result comes out halved); without the join
+    the reader sees the doubled values. At world size 1, where the sum itself is the identity,
+    either shows as wrong numbers."""
+
+    def probe(t: torch.Tensor) -> None:
+        t.mul_(2)
+        torch.cuda._sleep(sleep_cycles)
+        all_reduce_(t)
+        t.mul_(0.5)
+
+    return probe
+
+
+def nccl_all_reduce_(cpu_group, device, *, max_ctas: Optional[int] = None
+                     ) -> Callable[[torch.Tensor], None]:
+    """In-place sum on the current stream over a NCCL/RCCL communicator of FarSkip's own.
+
+    Never SGLang's group communicators (other code drives them concurrently). Built with SGLang's
+    ctypes NCCL wrapper rather than its PyNcclCommunicator, which has no CTA cap and refuses
+    one rank (the device check drives this very function at world size 1). `cpu_group`: a gloo
+    group to agree on the NCCL id (None: one rank). `max_ctas`: ncclConfig maxCTAs, the SMs one
+    all-reduce may take from overlapped compute (None: NCCL's default).
+    """
+    from sglang.srt.distributed.device_communicators.pynccl_wrapper import (
+        NCCLLibrary,
+        buffer_type,
+        cudaStream_t,
+        ncclConfig_t,
+        ncclDataTypeEnum,
+        ncclRedOpTypeEnum,
+        ncclUniqueId,
+    )
+
+    lib = NCCLLibrary()
+    world = 1 if cpu_group is None else dist.get_world_size(cpu_group)
+    rank = 0 if cpu_group is None else dist.get_rank(cpu_group)
+    unique_id = lib.ncclGetUniqueId() if rank == 0 else ncclUniqueId()
+    if world > 1:
+        raw = torch.ByteTensor(list(unique_id.internal))
+        dist.broadcast(raw, src=dist.get_process_group_ranks(cpu_group)[0], group=cpu_group)
+        for i, byte in enumerate(raw.tolist()):
+            unique_id.internal[i] = byte
+    device = torch.device(device)
+    with torch.cuda.device(device):
+        if max_ctas is None:
+            comm = lib.ncclCommInitRank(world, unique_id, rank)
+        else:
+            config = ncclConfig_t.create()
+            config.maxCTAs = max_ctas
+            comm = lib.ncclCommInitRankConfig(world, unique_id, rank, config)
+    op_sum = ncclRedOpTypeEnum.from_torch(dist.ReduceOp.SUM)
+
+    def all_reduce_(t: torch.Tensor) -> None:
+        lib.ncclAllReduce(buffer_type(t.data_ptr()), buffer_type(t.data_ptr()), t.numel(),
+                          ncclDataTypeEnum.from_torch(t.dtype), op_sum, comm,
+                          cudaStream_t(torch.cuda.current_stream(device).cuda_stream))
+
+    return all_reduce_
 
 
 class Communicator:
@@ -215,14 +388,16 @@ class Communicator:
 
     `group` is SGLang's GroupCoordinator or anything with `world_size`, `all_reduce(t)` (returns
     the sum) and `device_group`; it is passed in explicitly, model code never looks it up.
-    `side_stream` is a SideStreamAllReduce for the GPU async backend.
+    `side_stream` is a SideStreamAllReduce for the GPU async backend; given one, the side
+    stream is used even at world size 1 (where the sum is the identity), which is how the
+    device check runs the real launch/fork/join path on one GPU.
     """
 
     def __init__(self, group, *, asynchronous: bool, side_stream: Optional[SideStreamAllReduce] = None):
         self.group = group
         self.world_size = group.world_size if group is not None else 1
         self.side_stream = side_stream
-        self.asynchronous = asynchronous and self.world_size > 1
+        self.asynchronous = asynchronous and (self.world_size > 1 or side_stream is not None)
         if self.asynchronous and side_stream is None and not self.supports_cpu_async(group):
             raise NotImplementedError(
                 "asynchronous all-reduce on this device needs a side-stream communicator; "
@@ -243,27 +418,43 @@ class Communicator:
 
     @property
     def backend(self) -> str:
+        if self.side_stream is not None and self.asynchronous:
+            return "side-stream"
         if self.world_size == 1:
             return "identity"
-        if not self.asynchronous:
-            return "blocking"
-        return "side-stream" if self.side_stream is not None else "comm-thread"
+        return "comm-thread" if self.asynchronous else "blocking"
 
     def start_all_reduce(self, tensor: torch.Tensor, *, lane: str = "", layer: int = -1) -> Handle:
         prof = self.profiler
         record = prof.on_start(lane, layer) if prof is not None else None
-        if self.world_size == 1:
-            out = Handle(tensor, record=record, profiler=prof)
-        elif not self.asynchronous:
-            out = Handle(self.group.all_reduce(tensor), record=record, profiler=prof)
-        elif self.side_stream is not None:
-            out = Handle(tensor, event=self.side_stream.start(tensor), record=record, profiler=prof)
-        else:
+        timing = _GpuTiming() if record is not None and tensor.is_cuda else None
+        if self.asynchronous and self.side_stream is not None:
+            event = self.side_stream.start(tensor, timing)
+            return Handle(tensor, event=event, record=record, profiler=prof, timing=timing)
+        if self.asynchronous:
             work = self._thread.start(tensor)
             if record is not None:
                 prof.track(record, work)
-            out = Handle(tensor, work=work, record=record, profiler=prof)
-        if record is not None and out._work is None and out._event is None:
+            return Handle(tensor, work=work, record=record, profiler=prof)
+        if timing is not None:
+            timing.start.record()
+        out = tensor if self.world_size == 1 else self.group.all_reduce(tensor)
+        if timing is not None:  # the stream ran it in line: it stalled for all of it
+            timing.end.record()
+            timing.reached = timing.start
+        elif record is not None:
             record.t_done = time.perf_counter()  # completed before returning
             record.blocked_in_start = record.t_done - record.t_start
-        return out
+        return Handle(out, record=record, profiler=prof, timing=timing)
+
+    def drain(self) -> None:
+        """Wait for every collective launched so far: after an exception between a launch and
+        its wait, so that none outlives its tensors or overlaps the next forward's."""
+        if self.side_stream is not None:
+            torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream.stream)
+        if self._thread is not None:
+            self._thread.drain()
+
+    def in_flight(self) -> bool:
+        """Whether a launched collective may still be running (host view; CPU backends)."""
+        return self._thread is not None and not self._thread.idle()

@@ -54,11 +54,70 @@ _RULES = [
 ]
 
 
-def unsupported(server_args: Any) -> list[str]:
+# Settings that break FarSkip only with asynchronous all-reduce (`--farskip-mode overlap`):
+# (attribute, predicate, problem, fix), as above.
+_OVERLAP_RULES = [
+    ("enable_torch_compile", bool,
+     "torch.compile would trace FarSkip's in-flight collectives (handles, streams, the comm "
+     "thread), which it cannot",
+     "drop --enable-torch-compile, or use --farskip-mode sync"),
+    ("dcp_size", lambda v: (v or 1) > 1,
+     "decode context parallelism runs collectives inside attention while FarSkip's "
+     "all-reduce is still in flight on the same ranks",
+     "use --dcp-size 1, or --farskip-mode sync"),
+]
+
+# ... and only with the GPU side stream (FarSkip's own NCCL communicator).
+_SIDE_STREAM_RULES = [
+    ("enable_deterministic_inference", bool,
+     "deterministic inference needs SGLang's batch-invariant all-reduce; FarSkip's own NCCL "
+     "communicator picks its algorithm by message size",
+     "drop --enable-deterministic-inference, or use --farskip-mode sync"),
+]
+
+
+def graph_backends(args: Any) -> tuple[str, ...]:
+    """The resolved CUDA-graph backend of each phase (decode, prefill)."""
+    cfg = getattr(args, "cuda_graph_config", None)
+    return tuple(str(getattr(getattr(cfg, phase, None), "backend", "disabled") or "disabled")
+                 for phase in ("decode", "prefill"))
+
+
+def _dense_mlp_replicated(args: Any) -> bool:
+    return getattr(args, "moe_dense_tp_size", None) == 1 and (getattr(args, "tp_size", 1) or 1) > 1
+
+
+def uses_side_stream(args: Any, config: Any) -> bool:
+    """Whether `overlap` runs on the GPU side stream, given the resolved server args and the
+    model config carrying the launcher's `farskip_*` keys (the model decides the same way)."""
+    return (
+        str(getattr(args, "device", "cuda")) != "cpu"
+        and (args.tp_size > 1 or bool(getattr(config, "farskip_force_side_stream", False)))
+        and bool(getattr(config, "farskip_gpu_overlap", False))
+    )
+
+
+def unsupported(server_args: Any, *, overlap: bool = False, side_stream: bool = False,
+                gpu_profiling: bool = False) -> list[str]:
     """Problems with `server_args` (SGLang's resolved view, or anything with the same
-    attributes), each one line naming the cause and the flag to change. Empty if fine."""
+    attributes), each one line naming the cause and the flag to change. Empty if fine.
+    `overlap`: asynchronous all-reduce; `side_stream`: on the GPU side stream; `gpu_profiling`:
+    --farskip-profile-dir on a GPU."""
+    rules = _RULES + (_OVERLAP_RULES if overlap else []) + (_SIDE_STREAM_RULES if side_stream else [])
     problems = []
-    for attr, bad, problem, fix in _RULES:
+    for attr, bad, problem, fix in rules:
         if hasattr(server_args, attr) and bad(getattr(server_args, attr)):
             problems.append(f"{problem} ({attr}={getattr(server_args, attr)!r}): {fix}")
+    if _dense_mlp_replicated(server_args):
+        problems.append(
+            "a replicated dense MLP already holds its full output on every rank, and FarSkip "
+            f"would all-reduce it {server_args.tp_size} times over (moe_dense_tp_size=1): "
+            "drop --moe-dense-tp-size"
+        )
+    if gpu_profiling and any(b != "disabled" for b in graph_backends(server_args)):
+        problems.append(
+            "--farskip-profile-dir on a GPU times collectives with CUDA events, which a graph "
+            "capture cannot record and a graph replay (no Python runs) would not: add "
+            "--disable-cuda-graph while profiling, or drop --farskip-profile-dir"
+        )
     return problems

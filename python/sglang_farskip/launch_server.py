@@ -293,9 +293,10 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     _check_mla_layout(server_args, config)
     if farskip.enabled and mode is not FarSkipMode.OFF:
         overlap = mode is FarSkipMode.OVERLAP
-        keys = {**(overrides or {}), **farskip_keys}
-        problems = unsupported(resolved, overlap=overlap, profiling=bool(own.farskip_profile_dir),
-                               side_stream=overlap and uses_side_stream(resolved, argparse.Namespace(**keys)))
+        keys = argparse.Namespace(**{**(overrides or {}), **farskip_keys})
+        problems = unsupported(resolved, overlap=overlap,
+                               side_stream=overlap and uses_side_stream(resolved, keys),
+                               gpu_profiling=bool(own.farskip_profile_dir) and not on_cpu)
         if problems:
             raise LaunchError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
     launch_info = {

@@ -38,6 +38,9 @@ from typing import Optional
 import torch
 
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
+from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
+    is_in_breakable_cuda_graph,
+)
 from sglang.srt.layers.layer_boundary.adapters.attention import (
     AttentionInputs,
     get_attn_tp_context,
@@ -51,8 +54,15 @@ from sglang.srt.runtime_context import get_parallel, get_server_args
 from sglang.srt.utils import BumpAllocator
 
 from sglang_farskip import SGLANG_VERSION
-from sglang_farskip.comm import Communicator, Handle, OverlapProfiler, SideStreamAllReduce
-from sglang_farskip.compat import unsupported
+from sglang_farskip.comm import (
+    Communicator,
+    Handle,
+    OverlapProfiler,
+    SideStreamAllReduce,
+    fork_join_probe,
+    nccl_all_reduce_,
+)
+from sglang_farskip.compat import unsupported, uses_side_stream
 from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, FarSkipMode, is_moe_layer
 from sglang_farskip.status import write_rank_status
 
@@ -70,6 +80,18 @@ def _add(x: torch.Tensor, handle: Optional[Handle]) -> torch.Tensor:
     return x if handle is None else x + handle.wait()
 
 
+def _add_norm(norm, x: torch.Tensor, *handles: Optional[Handle]):
+    """(norm(x + sums), x + sums). The norm adds the last sum itself: SGLang's fused residual
+    add + RMSNorm on CUDA/HIP (one kernel, both tensors updated in place), the same float add
+    then the norm elsewhere. Either way the same code runs in `sync` and `overlap`."""
+    *first, last = [h for h in handles if h is not None] or [None]
+    for h in first:
+        x = _add(x, h)
+    if last is None:
+        return norm(x), x
+    return norm(last.wait(), x)
+
+
 class FarSkipDeepseekV2Model(DeepseekV2Model):
     """Upstream's model with the FarSkip forward. Set up by `FarSkipDeepseekV3ForCausalLM`."""
 
@@ -83,31 +105,44 @@ class FarSkipDeepseekV2Model(DeepseekV2Model):
         zero_allocator = BumpAllocator(
             buffer_size=len(self.layers) * 2, dtype=torch.float32, device=positions.device
         )
+        # Under a breakable CUDA graph, attention ends one captured segment and starts the
+        # next; a sum must not stay in flight across that (README, "GPU overlap").
+        breaks = is_in_breakable_cuda_graph()
         pend_a = pend_r = None
-        for k, layer in enumerate(self.layers):
-            with get_global_expert_distribution_recorder().with_current_layer(k):
-                x, pend_a, pend_r = self._layer(
-                    k, layer, x, pend_a, pend_r, positions, forward_batch, zero_allocator
-                )
-        x = _add(_add(x, pend_a), pend_r)  # the final norm reads the full h[L-1]
+        try:
+            for k, layer in enumerate(self.layers):
+                with get_global_expert_distribution_recorder().with_current_layer(k):
+                    x, pend_a, pend_r = self._layer(
+                        k, layer, x, pend_a, pend_r, positions, forward_batch, zero_allocator, breaks
+                    )
+        except BaseException:
+            self.comm.drain()  # no collective outlives the tensors it reads and writes
+            raise
         if self.comm.profiler is not None:
             self.comm.profiler.flush()
         if forward_batch.forward_mode.is_idle():
-            return x
-        return self.norm(x)
+            return _add(_add(x, pend_a), pend_r)
+        return _add_norm(self.norm, x, pend_a, pend_r)[0]  # the final norm reads the full h[L-1]
 
-    def _layer(self, k, layer, x, pend_a, pend_r, positions, forward_batch, zero_allocator):
+    def _layer(self, k, layer, x, pend_a, pend_r, positions, forward_batch, zero_allocator,
+               breaks=False):
         w, comm = self.wiring[k], self.comm
-        x = _add(x, pend_a)  # x = h[k-1] - r[k-1]
-        if not w.attn_skips_prev_routed:
-            x, pend_r = _add(x, pend_r), None  # x = h[k-1]
-        a = _attention(layer, layer.input_layernorm(x), positions, forward_batch, zero_allocator)
+        if w.attn_skips_prev_routed:
+            h, x = _add_norm(layer.input_layernorm, x, pend_a)  # x = h[k-1] - r[k-1]
+            if breaks and pend_r is not None:
+                pend_r.join()  # summed in this segment, added after the attention as always
+        else:
+            (h, x), pend_r = _add_norm(layer.input_layernorm, x, pend_a, pend_r), None  # h[k-1]
+        a = _attention(layer, h, positions, forward_batch, zero_allocator)
         comm.mark_compute()
 
-        x, pend_r = _add(x, pend_r), None  # x = h[k-1]
-        if not w.mlp_skips_attn:
-            x, a = x + comm.start_all_reduce(a, lane="attn", layer=k).wait(), None  # h[k-1] + a
-        y = layer.post_attention_layernorm(x)
+        if w.mlp_skips_attn:
+            y, x = _add_norm(layer.post_attention_layernorm, x, pend_r)  # x = h[k-1]
+        else:
+            pend_attn = comm.start_all_reduce(a, lane="attn", layer=k)
+            y, x = _add_norm(layer.post_attention_layernorm, x, pend_r, pend_attn)  # h[k-1] + a
+            a = None
+        pend_r = None
 
         if not w.is_moe:  # a dense MLP's output rides the attention lane (r = 0)
             s = layer.mlp(y, forward_batch)
@@ -175,7 +210,7 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         requested = _mode_from_config(config)
         active = farskip.enabled and requested is not FarSkipMode.OFF
         if active:
-            _check_server_args()
+            _check_server_args(config, requested)
         super().__init__(config, quant_config, prefix)
         extra_report = self._extend_layers(config)
 
@@ -236,10 +271,16 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         return {}
 
 
-def _check_server_args() -> None:
+def _check_server_args(config, requested: FarSkipMode) -> None:
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    problems = unsupported(resolving_view(get_server_args()))
+    args = resolving_view(get_server_args())
+    overlap = requested is FarSkipMode.OVERLAP
+    problems = unsupported(
+        args, overlap=overlap,
+        side_stream=overlap and uses_side_stream(args, config),
+        gpu_profiling=bool(getattr(config, "farskip_profile_dir", None)) and str(args.device) != "cpu",
+    )
     if problems:
         raise FarSkipConfigError(
             "FarSkip cannot run with these settings:\n  " + "\n  ".join(problems)
@@ -268,10 +309,11 @@ def _single_reduction_group(parallel):
 def _build_communicator(group, requested: FarSkipMode, config, tp_rank: int):
     """The communicator for `requested` on this device, and the mode that really runs."""
     side_stream = None
-    asynchronous = requested is FarSkipMode.OVERLAP and group.world_size > 1
-    if asynchronous and not Communicator.supports_cpu_async(group):
+    force_side = bool(getattr(config, "farskip_force_side_stream", False))
+    asynchronous = requested is FarSkipMode.OVERLAP and (group.world_size > 1 or force_side)
+    if asynchronous and (force_side or not Communicator.supports_cpu_async(group)):
         if getattr(config, "farskip_gpu_overlap", False):
-            side_stream = _gpu_side_stream(group)
+            side_stream = _gpu_side_stream(group, config, force_side)
         else:
             logger.warning(
                 "FarSkip overlap on %s: the side-stream all-reduce has not been validated on "
@@ -287,18 +329,29 @@ def _build_communicator(group, requested: FarSkipMode, config, tp_rank: int):
     return comm, FarSkipMode.OVERLAP if overlapping else FarSkipMode.SYNC
 
 
-def _gpu_side_stream(group) -> SideStreamAllReduce:
-    """A communicator of FarSkip's own (never SGLang's group communicators, which other code
-    uses concurrently), driven on a dedicated stream."""
-    from sglang.srt.distributed.device_communicators.pynccl import PyNcclCommunicator
-
-    nccl = PyNcclCommunicator(group=group.cpu_group, device=group.device)
-
-    def all_reduce_(t: torch.Tensor) -> None:
-        with nccl.change_state(enable=True):
-            nccl.all_reduce(t)  # in place, on the current (side) stream
-
-    return SideStreamAllReduce(all_reduce_, device=group.device)
+def _gpu_side_stream(group, config, force: bool) -> SideStreamAllReduce:
+    """FarSkip's own NCCL/RCCL communicator on a high-priority side stream, connected and
+    warmed up with the largest message now, before SGLang sizes the KV pool."""
+    max_ctas = getattr(config, "farskip_side_max_ctas", None)
+    all_reduce_ = nccl_all_reduce_(group.cpu_group, group.device, max_ctas=max_ctas)
+    if force:
+        # Test-only (bench/device_check.py): at TP=1 the sum is the identity, so a missing
+        # fork or join could not show; the probe makes it show.
+        all_reduce_ = fork_join_probe(all_reduce_)
+    side = SideStreamAllReduce(all_reduce_, device=group.device)
+    args = get_server_args()
+    tokens = max(args.chunked_prefill_size or 0, args.max_prefill_tokens or 0, 1)
+    # NCCL picks its protocol by message size and connects each on first use: one token, one
+    # decode-sized and the largest prefill message connect what serving will use.
+    sizes = sorted({1, min(tokens, 256), tokens})
+    kept = side.warm_up([n * config.hidden_size for n in sizes], torch.get_default_dtype())
+    logger.info(
+        "FarSkip side-stream all-reduce over %d rank(s)%s: warmed up up to %d tokens x %d, NCCL "
+        "kept %.1f MiB of device memory%s", group.world_size,
+        f", at most {max_ctas} CTAs" if max_ctas else "", tokens, config.hidden_size,
+        kept / 2**20, " (forced with the fork/join probe: test only)" if force else "",
+    )
+    return side
 
 
 def _check_layers(layers, wiring: list[LayerWiring]) -> None:
