@@ -275,3 +275,64 @@ def test_bf16_load_runs(main):
     assert ref.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
     tokens, logprobs = ref.greedy(PROMPTS[0], 2)
     assert len(tokens) == len(logprobs) == 2 and all(lp <= 0 for lp in logprobs)
+
+
+# ------------------------------------------------------------------ Instella-MoE: the attention gate
+# Instella's shape differences at test scale: no query compression, one expert group, a 2-wide
+# shared MLP, v_head_dim != qk_nope_head_dim (so a gate sized by the wrong head dim fails).
+INSTELLA = dict(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2, num_experts_per_tok=3,
+                qk_nope_head_dim=48, v_head_dim=64)
+
+
+def gate_transformers_attention(hf, gates: dict[int, torch.Tensor]) -> None:
+    """Add Instella's gate around transformers' own attention modules: remember each attention
+    call's input x, and scale o_proj's input by sigmoid(x @ gate^T)."""
+    for k, layer in enumerate(hf.model.layers):
+        attn, seen = layer.self_attn, {}
+
+        def remember(_module, args, kwargs, seen=seen):
+            seen["x"] = args[0] if args else kwargs["hidden_states"]
+
+        def scale(_module, args, seen=seen, gate=gates[k]):
+            return (args[0] * torch.sigmoid(seen["x"] @ gate.T),)
+
+        attn.register_forward_pre_hook(remember, with_kwargs=True)
+        attn.o_proj.register_forward_pre_hook(scale)
+
+
+@pytest.fixture(scope="module")
+def instella(tmp_path_factory):
+    """(checkpoint dir, gated transformers model, ungated transformers model): the same weights."""
+    path = str(tmp_path_factory.mktemp("instella"))
+    hf = make_checkpoint(path, **INSTELLA)
+    plain = make_checkpoint(str(tmp_path_factory.mktemp("instella_plain")), **INSTELLA)
+    torch.manual_seed(2)
+    H, width = BASE["hidden_size"], BASE["num_attention_heads"] * INSTELLA["v_head_dim"]
+    gates = {k: torch.randn(width, H) * 1.5 / H**0.5 for k in range(BASE["num_hidden_layers"])}
+    state = load_file(os.path.join(path, "model.safetensors"))
+    state.update({f"model.layers.{k}.self_attn.gate_proj.weight": g for k, g in gates.items()})
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg.update(architectures=["InstellaMoEForCausalLM"], gated_attention=True)
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    gate_transformers_attention(hf, gates)
+    return path, hf, plain
+
+
+def test_instella_gate_matches_transformers(instella):
+    """FarSkip off: reference.py == transformers' DeepseekV3 with the gate hooked in; FarSkip on:
+    == the FarSkip equations by hand on the same gated modules."""
+    path, hf, plain = instella
+    ref = load_reference(path)
+    assert ref.args.gated_attention and ref.args.q_lora_rank is None
+    for ids in [ids_of(p) for p in PROMPTS]:
+        with torch.no_grad():
+            expect, ungated = hf(ids[None]).logits[0], plain(ids[None]).logits[0]
+        assert rel_err(ref(ids), expect) <= REL_TOL
+        assert rel_err(expect, ungated) > 1e-2  # the gate really changes the model
+    for fs in (FarSkipConfig(enabled=True), FarSkipConfig(enabled=True, start_idx=2)):
+        ref.set_farskip(fs)
+        ids = ids_of(PROMPTS[2])
+        with torch.no_grad():
+            expect = farskip_by_hand(hf, ids, fs)
+        assert rel_err(ref(ids), expect) <= REL_TOL, fs

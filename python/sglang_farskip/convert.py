@@ -1,4 +1,4 @@
-"""Mark a DeepSeek-V3 Hugging Face checkpoint as FarSkip, without copying its weights.
+"""Mark a DeepSeek-V3 (or Instella-MoE) Hugging Face checkpoint as FarSkip, without copying its weights.
 
     python -m sglang_farskip.convert SRC DST [--start-layer N] [--end-layer M]
                                      [--attn-only | --mlp-only] [--force]
@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 from sglang_farskip.config import DEFAULT_END_IDX, FarSkipConfig, FarSkipConfigError
+from sglang_farskip.instella import FARSKIP_ARCHS
 
-DEEPSEEK_V3_ARCH = "DeepseekV3ForCausalLM"
 CONFIG = "config.json"
 
 
@@ -87,11 +87,12 @@ def _read_config(src: Path) -> dict:
 
 def _check_architecture(cfg: dict, src: Path) -> None:
     archs = cfg.get("architectures")
-    if not isinstance(archs, list) or DEEPSEEK_V3_ARCH not in archs:
+    if not isinstance(archs, list) or not set(archs) & set(FARSKIP_ARCHS):
         found = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "no architectures key"
         raise ConvertError(
             f"{src} is not a DeepSeek-V3 checkpoint (config.json architectures: {found}); FarSkip is only "
-            f"defined for DeepSeek-V3 here: convert a checkpoint whose architectures list {DEEPSEEK_V3_ARCH}"
+            f"defined for DeepSeek-V3 here: convert a checkpoint whose architectures list "
+            f"{' or '.join(FARSKIP_ARCHS)}"
         )
 
 
