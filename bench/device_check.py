@@ -2,7 +2,8 @@
 
     python bench/device_check.py [--items side-stream,breakable,...] [--keep DIR]
 
-Run it first on any lent GPU (about 5 minutes on one H200, most of it four server start-ups).
+Run it first on any lent GPU. Estimated 5 minutes on one H200, most of it four server
+start-ups (an estimate: no GPU has been lent yet, so it has never run).
 It prints one PASS/FAIL line per item and a summary, and exits 1 if any item failed.
 
 side-stream  FarSkip's own NCCL communicator (`comm.nccl_all_reduce_`, one rank) driven through
@@ -28,6 +29,9 @@ server       SGLang end to end at TP=1 on a 3-layer DeepSeek-V3-shaped FP8-block
              two 2048-token chunks), a 4096-token cached prefix longer than the chunk, decode at
              batch 1, 3 (padded to a graph of 4) and 64. Overlap must equal sync bitwise (same
              graphs, same kernels); eager and breakable variants must match within LOGPROB_TOL.
+             Each server runs the workload twice (prefix cache flushed between) and must repeat
+             its own bits, else a bitwise check would say nothing. Triton FP8 kernels, not
+             DeepGEMM, unless --deepgemm (its cold-cache precompilation takes minutes).
 
 Importable without a GPU: tests/test_gpu_readiness.py checks the checkpoint config, the
 workload and the comparisons on a CPU.
@@ -384,11 +388,32 @@ def _sequence(reply: dict) -> dict:
             "top": [[(lp, tok) for lp, tok, *_ in top] for top in meta["output_top_logprobs"]]}
 
 
-def serve_and_run(model_path: str, variant: str, log_dir: Path, start_timeout: float = 240) -> dict:
+# DeepGEMM's start-up precompilation of every FP8 shape takes minutes on a cold cache; the
+# servers use SGLang's Triton FP8 kernels instead (--deepgemm to keep DeepGEMM). What is checked
+# is FarSkip's streams, not the GEMM library.
+NO_DEEPGEMM = {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
+
+
+def run_workload(base: str) -> dict:
+    out = {}
+    for case, prompts, new in workload():
+        replies = _post(base + "/generate", {
+            "input_ids": prompts if len(prompts) > 1 else prompts[0],
+            "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 2,
+        })
+        out[case] = [_sequence(r) for r in (replies if isinstance(replies, list) else [replies])]
+    return out
+
+
+def serve_and_run(model_path: str, variant: str, log_dir: Path, env: dict,
+                  start_timeout: float = 300) -> tuple[dict, bool]:
+    """The workload's outputs on one server, and whether a second run (prefix cache flushed
+    in between) gave the same bits: without that, bitwise checks between servers mean nothing."""
     port = free_port()
     log = open(log_dir / f"server-{variant}.log", "w")
     proc = subprocess.Popen(server_argv(model_path, variant, port), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=ROOT)
+                            start_new_session=True, cwd=ROOT, env={**os.environ, **env})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout
@@ -404,29 +429,25 @@ def serve_and_run(model_path: str, variant: str, log_dir: Path, start_timeout: f
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server {variant} not ready in {start_timeout:.0f} s; see {log.name}")
             time.sleep(1)
-        out = {}
-        for case, prompts, new in workload():
-            replies = _post(base + "/generate", {
-                "input_ids": prompts if len(prompts) > 1 else prompts[0],
-                "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True},
-                "return_logprob": True, "top_logprobs_num": 2,
-            })
-            out[case] = [_sequence(r) for r in (replies if isinstance(replies, list) else [replies])]
-        return out
+        first = run_workload(base)
+        urllib.request.urlopen(urllib.request.Request(base + "/flush_cache", method="POST"), timeout=60).read()
+        return first, not compare(first, run_workload(base), 0.0)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
 
 
-def item_server(log_dir: Path) -> tuple[bool, str]:
+def item_server(log_dir: Path, deepgemm: bool = False) -> tuple[bool, str]:
     ckpt = write_checkpoint(log_dir / "v3-shaped")
-    runs, timings = {}, []
+    runs, timings, unstable = {}, [], []
     for variant in SERVER_VARIANTS:
         t0 = time.monotonic()
-        runs[variant] = serve_and_run(str(ckpt), variant, log_dir)
+        runs[variant], stable = serve_and_run(str(ckpt), variant, log_dir, {} if deepgemm else NO_DEEPGEMM)
         timings.append(f"{variant} {time.monotonic() - t0:.0f} s")
-    problems = []
+        if not stable:
+            unstable.append(variant)
+    problems = [f"{v}: two runs on one server differ (nondeterministic kernels)" for v in unstable]
     for variant, ref, tol in SERVER_CHECKS:
         problems += [f"{variant} vs {ref}: {p}" for p in compare(runs[variant], runs[ref], tol)]
     (log_dir / "server-outputs.json").write_text(json.dumps(runs))
@@ -440,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--items", default=",".join(ITEMS), help=f"comma-separated subset of {ITEMS}")
     parser.add_argument("--keep", default=None, help="directory for server logs and outputs (default: temporary)")
+    parser.add_argument("--deepgemm", action="store_true",
+                        help="servers keep DeepGEMM (its cold-cache precompilation takes minutes)")
     parser.add_argument("--breakable-across", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.breakable_across:
@@ -461,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}; logs in {log_dir}", flush=True)
     runners = {"side-stream": lambda: item_side_stream(dev), "breakable": lambda: item_breakable(dev),
                "memory": lambda: item_memory(dev), "priority": lambda: item_priority(dev),
-               "server": lambda: item_server(log_dir)}
+               "server": lambda: item_server(log_dir, args.deepgemm)}
     results = []
     t_all = time.monotonic()
     for name in items:

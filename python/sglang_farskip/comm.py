@@ -450,7 +450,8 @@ class Communicator:
     def drain(self) -> None:
         """Wait for every collective launched so far: after an exception between a launch and
         its wait, so that none outlives its tensors or overlaps the next forward's."""
-        if self.side_stream is not None:
+        # A graph capture that raised is discarded: none of its work ever runs.
+        if self.side_stream is not None and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.side_stream.device).wait_stream(self.side_stream.stream)
         if self._thread is not None:
             self._thread.drain()
