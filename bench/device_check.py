@@ -57,6 +57,8 @@ sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 from overlap_bench import free_port  # noqa: E402
 
+from sglang_farskip.launch_server import wait_healthy  # noqa: E402
+
 HIDDEN = 7168
 VOCAB = 129280
 CHUNK = 2048  # --chunked-prefill-size of the servers: the 4096-token prompt is two chunks
@@ -416,19 +418,9 @@ def serve_and_run(model_path: str, variant: str, log_dir: Path, env: dict,
                             start_new_session=True, cwd=ROOT, env={**os.environ, **env})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server {variant} exited {proc.returncode}; see {log.name}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server {variant} not ready in {start_timeout:.0f} s; see {log.name}")
-            time.sleep(1)
+        if not wait_healthy(base, start_timeout, alive=lambda: proc.poll() is None):
+            state = f"exited {proc.returncode}" if proc.poll() is not None else f"not ready in {start_timeout:.0f} s"
+            raise RuntimeError(f"server {variant} {state}; see {log.name}")
         first = run_workload(base)
         urllib.request.urlopen(urllib.request.Request(base + "/flush_cache", method="POST"), timeout=60).read()
         return first, not compare(first, run_workload(base), 0.0)

@@ -170,22 +170,28 @@ def _check_stand_in() -> None:
 
 
 # ---------------------------------------------------------------- after launch
+def wait_healthy(base_url: str, timeout: float, alive=lambda: True) -> bool:
+    """Poll GET /health until it answers 200 (True), or the timeout passes or `alive()` turns
+    false (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1)
+    return False
+
+
 def _wait_ready_and_verify(base_url: str, status_dir: str, ranks: int, timeout: float,
                            curl_hint: str) -> None:
     """Runs in a thread beside the server: once it answers, every local rank must have
     reported the FarSkip class; otherwise the server is stopped (the plugin did not load)."""
     from sglang_farskip.status import read_rank_statuses
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(base_url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        time.sleep(1)
-    else:
+    if not wait_healthy(base_url, timeout):
         return  # SGLang reports its own start-up failures; nothing to verify
     reports = read_rank_statuses(status_dir)
     if len(reports) < ranks:
