@@ -4,8 +4,9 @@ Upstream gaps (fixed at plugin load, in every SGLang process, see plugin.py):
 1. DeepSeek MLA prefill with --attention-backend torch_native: the backend registry has no
    torch_native entry, falls back to the triton handler, which picks the MHA prefill path whose
    k/v head sizes do not match torch_native's compressed MLA KV cache (RuntimeError in
-   torch_native_backend.py). We route torch_native to the absorbed-MLA method for every batch,
-   which is what the torch_native backend actually implements for MLA.
+   torch_native_backend.py). cpu_mha.py registers a torch_native handler (absorbed MLA for
+   every batch by default) and a backend subclass that also runs the MHA prefill paths
+   (`--farskip-cpu-attention mha`).
 2. --ep-size > 1 with the native CPU MoE: topk ids of experts owned by another EP rank arrive
    as -1 and `moe_forward_native` indexes with them (index -1 out of bounds). We run upstream's
    function once per top-k slot on the tokens whose expert is local, so foreign slots
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 
 import torch
@@ -46,6 +48,7 @@ def cpu_environment(ranks_on_this_node: int, cores: int) -> dict[str, str]:
         # torch's CUDA build bundles NCCL; SGLang then builds a pynccl communicator on CPU
         # tensors and fails. A path that does not exist makes it skip pynccl.
         "SGLANG_NCCL_SO_PATH": "/nonexistent/sglang-farskip-no-nccl-on-cpu/libnccl.so",
+        "PYTHONWARNINGS": _noise_pythonwarnings(),
     }
     # One core set per rank, "0|1" style; SGLang asserts it is set when TP > 1 and pins
     # each rank's OpenMP threads to its set. Ranks beyond the cores share the last one.
@@ -80,11 +83,20 @@ _NOISE_LOG_PREFIXES = {
     "sglang.srt.models.registry": "Ignore import error when loading sglang.srt.models.",
     "sglang.kernels.jit.utils.arch": "Cannot detect CUDA architecture",
 }
+# (message start, module): also as PYTHONWARNINGS (cpu_environment), because SGLang's worker
+# processes import these modules before they load any plugin.
 _NOISE_WARNINGS = (
-    "Only CUDA, HIP and XPU support AWQ currently",
-    "Only CUDA, MUSA and NPU support GGUF quantization currently",
-    "Triton is not supported on current platform, roll back to CPU",
+    ("Only CUDA, HIP and XPU support AWQ", "sglang.srt.layers.quantization.awq.awq"),
+    ("Only CUDA, MUSA and NPU support GGUF", "sglang.srt.layers.quantization.gguf"),
+    ("Triton is not supported on current platform", "sglang.kernels.ops.attention.fla.utils"),
 )
+
+
+def _noise_pythonwarnings() -> str:
+    # PYTHONWARNINGS separates filters with commas and fields with colons: a message is given
+    # by its start up to the first comma (a prefix is what the field matches anyway).
+    return ",".join(f"ignore:{message.split(',')[0]}:UserWarning:{module}"
+                    for message, module in _NOISE_WARNINGS)
 
 
 class _DropPrefix(logging.Filter):
@@ -108,8 +120,9 @@ def quiet_known_cpu_noise() -> None:
     _quieted = True
     for name, prefix in _NOISE_LOG_PREFIXES.items():
         logging.getLogger(name).addFilter(_DropPrefix(prefix))
-    for message in _NOISE_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for message, module in _NOISE_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning,
+                                module=re.escape(module))
 
 
 _applied = False
@@ -121,20 +134,12 @@ def apply_cpu_fixes() -> None:
     global _applied
     if _applied:
         return
-    _register_torch_native_mla_handler()
+    from sglang_farskip import cpu_mha
+
+    cpu_mha.install()
     _make_native_moe_skip_foreign_experts()
     _applied = True
-    logger.info("sglang_farskip: CPU fixes applied (torch_native MLA dispatch, EP>1 native MoE)")
-
-
-def _register_torch_native_mla_handler() -> None:
-    from sglang.srt.models.deepseek_common import attention_backend_handler as abh
-
-    def handle_attention_torch_native(attn, forward_batch):
-        # torch_native implements MLA only in absorbed form over the compressed KV cache.
-        return abh._dispatch_mla_subtype(attn, forward_batch)
-
-    abh.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
+    logger.info("sglang_farskip: CPU fixes applied (torch_native MLA dispatch and MHA prefill, EP>1 native MoE)")
 
 
 def _make_native_moe_skip_foreign_experts() -> None:

@@ -61,6 +61,9 @@ def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--farskip-side-max-ctas", type=int, default=None,
                         help="cap the CTAs (SMs) one side-stream all-reduce may take from "
                              "overlapped compute (NCCL maxCTAs; default: NCCL's choice)")
+    parser.add_argument("--farskip-cpu-attention", choices=["absorbed", "mha"], default=None,
+                        help="CPU only: MLA prefill as absorbed MLA (default) or, as on GPUs, MHA over "
+                        "decompressed K/V (chunked on a long cached prefix); decode stays absorbed")
     parser.add_argument("--demo", choices=["deepseek-v3", "instella"], default=None,
                         help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
     return parser.parse_known_args(argv)
@@ -251,6 +254,9 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     if own.farskip_mode and not farskip.enabled:
         logger.warning("--farskip-mode %s has no effect: %s is not a FarSkip checkpoint",
                        own.farskip_mode, model_path)
+    if own.farskip_cpu_attention and not on_cpu:
+        raise LaunchError("--farskip-cpu-attention applies to CPU runs only; on a GPU the attention "
+                          "backend (--attention-backend) chooses the MLA prefill path: remove the flag")
     if on_cpu:
         argv = _cpu_setup(argv)
         _check_stand_in()
@@ -287,6 +293,8 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     farskip_keys = {"farskip_mode": mode.value, "farskip_gpu_overlap": own.farskip_gpu_overlap}
     if own.farskip_side_max_ctas is not None:
         farskip_keys["farskip_side_max_ctas"] = own.farskip_side_max_ctas
+    if own.farskip_cpu_attention:
+        farskip_keys["farskip_cpu_attention"] = own.farskip_cpu_attention
     if own.farskip_profile_dir:
         os.makedirs(own.farskip_profile_dir, exist_ok=True)
         farskip_keys["farskip_profile_dir"] = os.path.abspath(own.farskip_profile_dir)

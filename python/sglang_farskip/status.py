@@ -29,6 +29,15 @@ def write_rank_status(report: dict) -> Path | None:
     return path
 
 
+def update_rank_status(tp_rank: int, **fields) -> Path | None:
+    """Merge `fields` into this rank's report (written at model build), e.g. live counters."""
+    directory = os.environ.get(ENV)
+    path = Path(directory) / f"rank{tp_rank}.json" if directory else None
+    if path is None or not path.exists():
+        return None
+    return write_rank_status({**json.loads(path.read_text()), **fields})
+
+
 def read_rank_statuses(directory: str | Path) -> list[dict]:
     reports = []
     for path in sorted(Path(directory).glob("rank*.json")):

@@ -1,0 +1,160 @@
+"""SGLang's MLA prefill paths on CPU (`--farskip-cpu-attention mha`): MHA prefill, chunked-prefix
+prefill (MHA_CHUNKED_KV) and absorbed-MLA decode, for FarSkip DeepSeek-V3 (all layers, a layer
+range) and Instella-MoE (the gate on the MHA path), against reference.py, on real servers.
+
+Evidence of the path: each rank's /farskip/info report counts the attention method SGLang chose
+for layer 0, once per forward; every request below checks the exact change in those counts, so
+a path that silently fell back to absorbed MLA fails the test.
+
+Scaled-down upstream knobs (SGLang's own environment variables): the chunked-prefix threshold
+is 32 tokens (8192 by default) and a prefix chunk holds at most 48 tokens (128k by default), so
+the 120-token cached prefix below is attended in three chunks (longer than a chunk) and merged
+by log-sum-exp, while a 10-token prefix stays below the threshold and goes absorbed, as upstream
+decides it on GPUs.
+
+Tolerance: LOGPROB_ATOL = 1e-4, as in test_server_parity.py. MHA and absorbed MLA sum in
+different orders (MHA decompresses K/V per head like the reference; absorbed folds W_UK into q
+and W_UV after attention; the chunked path adds a log-sum-exp merge); all are float32, and the
+measured differences are ~1e-5 or below, while a wrong chunk boundary, a dropped chunk or a
+missing gate moves logprobs by 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sglang_farskip import convert
+from sglang_farskip.cpu_mha import attend, merge_state_cpu
+from sglang_farskip.demo_model import build_checkpoint, kind_overrides
+from sglang_farskip.reference import load_reference
+
+from serverutil import Server, free_port
+from test_parallel import ONE_THREAD
+from test_server_parity import FLOAT32, LOGPROB_ATOL
+
+MHA = ["--farskip-cpu-attention", "mha"]
+CHUNKING = {"SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD": "32", "SGLANG_MAX_KV_CHUNK_CAPACITY": "48"}
+NEW_TOKENS = 8
+
+
+def steps(seed: int) -> list[tuple[str, list[int], str]]:
+    """(case, prompt, the prefill method upstream's rules pick). Sent in order on a fresh server:
+    the first prompt has nothing cached (its first token is unlike every other prompt's)."""
+    rng = random.Random(seed)
+    fresh = [rng.randrange(2, 4096) for _ in range(120)]
+    return [
+        ("no prefix", fresh, "MHA"),
+        ("120-token cached prefix", fresh + [rng.randrange(2, 4096) for _ in range(9)], "MHA_CHUNKED_KV"),
+        ("10-token cached prefix", fresh[:10] + [rng.randrange(2, 4096) for _ in range(20)], "MLA"),
+    ]
+
+
+def serve_steps(server: Server, seed: int, expect_methods: bool = True):
+    """[(tokens, logprobs)] per step; checks each step's attention methods on every local rank."""
+    results = []
+    before = [r.get("attention_methods", {}) for r in server.get("/farskip/info")["ranks"]]
+    for case, prompt, method in steps(seed):
+        results.append(server.generate(prompt, NEW_TOKENS))
+        after = [r.get("attention_methods", {}) for r in server.get("/farskip/info")["ranks"]]
+        if expect_methods:
+            # one prefill by `method`, then NEW_TOKENS - 1 decode steps, all absorbed MLA
+            want = {method: 1} if method != "MLA" else {}
+            want["MLA"] = want.get("MLA", 0) + NEW_TOKENS - 1 + (method == "MLA")
+            for b, a in zip(before, after):
+                got = {k: a.get(k, 0) - b.get(k, 0) for k in a if a.get(k, 0) != b.get(k, 0)}
+                assert got == want, f"{case}: attention methods {got}, expected {want}"
+        before = after
+    return results
+
+
+def assert_matches_reference(results, reference, seed: int) -> float:
+    worst = 0.0
+    for (case, prompt, _), (tokens, logprobs) in zip(steps(seed), results):
+        ref_tokens, ref_logprobs = reference.greedy(prompt, NEW_TOKENS)
+        assert tokens == ref_tokens, f"{case}: greedy tokens differ from the reference"
+        diff = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs))
+        assert diff <= LOGPROB_ATOL, (case, diff)
+        worst = max(worst, diff)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    full = build_checkpoint(root / "full", seed=0)
+    assert convert.main([str(full), str(root / "range"), "--start-layer", "2", "--end-layer", "3"]) == 0
+    instella = build_checkpoint(root / "instella", seed=0, overrides=kind_overrides("instella"))
+    return {"full": full, "range": root / "range", "instella": instella}
+
+
+# ------------------------------------------------------------------ the two CPU twins, exactly
+def test_chunked_attention_with_merge_equals_one_attention():
+    """Causal attention of new tokens over [prefix | new], computed as upstream's chunked path
+    does (new tokens causally, then each prefix chunk, merged by log-sum-exp) equals one
+    softmax over all keys; an empty chunk (a request without prefix there) changes nothing."""
+    torch.manual_seed(0)
+    H, n, p = 3, 7, 11
+    q, k, v = torch.randn(n, H, 16), torch.randn(p + n, H, 16), torch.randn(p + n, H, 8)
+    whole, whole_lse = attend(q, k, v, 0.25, causal=True)  # keys: prefix and new, causally
+    out, lse = attend(q, k[p:], v[p:], 0.25, causal=True)
+    for lo, hi in ((0, 5), (5, 5), (5, 11)):  # chunks of the prefix, one of them empty
+        chunk_out, chunk_lse = attend(q, k[lo:hi], v[lo:hi], 0.25, causal=False)
+        out, lse = merge_state_cpu(chunk_out, chunk_lse, out, lse, torch.empty_like(out), torch.empty_like(lse))
+    torch.testing.assert_close(out, whole, rtol=0, atol=1e-6)  # float32 rounding of exp/log
+    torch.testing.assert_close(lse, whole_lse, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ servers
+def test_deepseek_mha_prefill_matches_reference_and_absorbed(checkpoints):
+    path = str(checkpoints["full"])
+    with Server(["--model-path", path, *MHA, *FLOAT32], env=CHUNKING) as server:
+        server.wait_ready()
+        mha = serve_steps(server, seed=1)
+    with Server(["--model-path", path, *FLOAT32], env=CHUNKING) as server:
+        server.wait_ready()
+        ranks = server.get("/farskip/info")["ranks"]
+        absorbed = serve_steps(server, seed=1, expect_methods=False)
+        after = server.get("/farskip/info")["ranks"]
+    assert set(after[0]["attention_methods"]) == {"MLA"}  # the default: absorbed for every batch
+    assert ranks[0]["mode"] == "overlap"
+    ref = load_reference(path)
+    print(f"DeepSeek-V3 all layers, MHA prefill: max |logprob - reference| = "
+          f"{assert_matches_reference(mha, ref, 1):.2e}")
+    worst = 0.0
+    for (t1, l1), (t2, l2) in zip(mha, absorbed):
+        assert t1 == t2
+        worst = max(worst, max(abs(a - b) for a, b in zip(l1, l2)))
+    assert worst <= LOGPROB_ATOL
+    print(f"MHA vs absorbed prefill: max |logprob difference| = {worst:.2e}")
+
+
+def test_instella_gate_on_mha_paths_tp2_overlap(checkpoints):
+    path = str(checkpoints["instella"])
+    with Server(["--model-path", path, "--tp", "2", *MHA, *FLOAT32], env={**CHUNKING, **ONE_THREAD}) as server:
+        server.wait_ready()
+        ranks = server.get("/farskip/info")["ranks"]
+        results = serve_steps(server, seed=2)
+    assert [r["mode"] for r in ranks] == ["overlap", "overlap"] and ranks[0]["gated_attention"]
+    print(f"Instella TP=2, MHA prefill: max |logprob - reference| = "
+          f"{assert_matches_reference(results, load_reference(path), 2):.2e}")
+
+
+def test_layer_range_two_nodes_mha(checkpoints):
+    path = str(checkpoints["range"])
+    addr = f"127.0.0.1:{free_port()}"
+
+    def node(rank: int) -> Server:
+        return Server(["--model-path", path, "--tp", "2", "--nnodes", "2", "--node-rank", str(rank),
+                       "--dist-init-addr", addr, "--dist-timeout", "60", *MHA, *FLOAT32],
+                      env={**CHUNKING, **ONE_THREAD})
+
+    with node(0) as node0, node(1):
+        node0.wait_ready()
+        (rank0,) = node0.get("/farskip/info")["ranks"]
+        results = serve_steps(node0, seed=3)
+    assert rank0["mode"] == "overlap" and rank0["converted_layers"] == [2, 3]
+    print(f"layers 2..3 on two nodes, MHA prefill: max |logprob - reference| = "
+          f"{assert_matches_reference(results, load_reference(path), 3):.2e}")
