@@ -39,10 +39,9 @@ while read -r name; do
     exit 2
   fi
   args+=(--build-arg "$name=${version[$name]}")
-done < <(sed -n 's/^ARG \([A-Z][A-Z0-9_]*\).*/\1/p' "$dockerfile")
+done < <(sed -n 's/^ARG \([A-Z][A-Z0-9_]*\).*/\1/p' "$dockerfile" | sort -u)
 
 image="${FARSKIP_IMAGE:-sglang-farskip:${version[FARSKIP_VERSION]}-$flavour}"
-# BuildKit: it reads docker/Dockerfile.<flavour>.dockerignore, which keeps .venv/ out.
 cmd=(docker build -f "$dockerfile" -t "$image" "${args[@]}" "$@" "$root")
 if ((print)); then
   printf '%q ' "${cmd[@]}"
@@ -53,4 +52,30 @@ if ! command -v docker >/dev/null 2>&1; then
   echo "error: docker is not installed; install Docker Engine (or run with --print)" >&2
   exit 2
 fi
-DOCKER_BUILDKIT=1 exec "${cmd[@]}"
+if docker buildx version >/dev/null 2>&1; then
+  # BuildKit reads docker/Dockerfile.<flavour>.dockerignore, which keeps .venv/ out.
+  DOCKER_BUILDKIT=1 exec "${cmd[@]}"
+fi
+# The classic builder (Debian's docker.io has no buildx plugin) reads only a .dockerignore at
+# the context root and would send the whole checkout, .venv/ included (gigabytes). It gets the
+# context that docker/Dockerfile.<flavour>.dockerignore allows, packed here as a tar stream.
+ignore="$dockerfile.dockerignore"
+include=() exclude=()
+first=""
+while IFS= read -r line || [[ -n "$line" ]]; do
+  [[ -z "$line" || "$line" == \#* ]] && continue
+  if [[ -z "$first" ]]; then
+    first="$line"
+    if [[ "$line" != "*" ]]; then
+      echo "error: $ignore must be an allow-list starting with '*' (then '!path' lines), got: $line" >&2
+      exit 2
+    fi
+    continue
+  fi
+  case "$line" in
+    !*) include+=("${line#!}") ;;
+    *) exclude+=("--exclude=${line#\*\*/}") ;;
+  esac
+done <"$ignore"
+tar -C "$root" -c "${exclude[@]}" -- "docker/Dockerfile.$flavour" "${include[@]}" |
+  DOCKER_BUILDKIT=0 docker build -f "docker/Dockerfile.$flavour" -t "$image" "${args[@]}" "$@" -

@@ -214,7 +214,7 @@ def test_compose_loadtest_targets_node0_with_the_bench_locustfile():
     assert command[command.index("--host") + 1] == f"http://127.0.0.1:{port}"
     # Every flag passed is locust's own or one the locustfile defines (it may evolve).
     locust_flags = {"--locustfile", "--host", "--headless", "--users", "--spawn-rate",
-                    "--run-time", "--csv"}
+                    "--run-time", "--csv", "--stop-timeout"}
     own = set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', (ROOT / "bench" / "locustfile.py").read_text()))
     passed = {a for a in command if a.startswith("--")}
     assert passed - locust_flags <= own, f"not defined by bench/locustfile.py: {passed - locust_flags - own}"
