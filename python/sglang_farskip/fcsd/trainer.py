@@ -1,0 +1,217 @@
+"""The training loop: AdamW + cosine with warm-up (torch / transformers), held-out evaluation
+with early stopping, resumable checkpoints through torch.distributed.checkpoint (DCP)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from tqdm import tqdm
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from .data import Windows
+from .models import EVAL_KEYS, Distiller, Runtime
+from .plot import plot_curves
+
+
+class Trainer:
+    def __init__(self, args, distiller: Distiller, windows: Windows, rt: Runtime, state: Path):
+        self.args, self.model, self.windows, self.rt, self.state = args, distiller, windows, rt, state
+        self.steps = int(args.tokens // args.batch_tokens)
+        per_step = args.batch_tokens // args.seq_len
+        self.per_step = per_step
+        self.micro_steps = per_step // (rt.world * args.micro_batch)
+        self.warmup = min(args.warmup_steps, self.steps)
+        params = [p for p in distiller.student.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            self.optimizer, self.warmup, self.steps, min_lr_rate=args.min_lr_ratio
+        )
+        self.last_eval = None
+        self.progress = {"step": 0, "elapsed_s": 0.0, "train_s": 0.0, "best_kl": math.inf, "best_step": -1, "bad_evals": 0,
+                         "teacher_ppl": None, "stopped": ""}
+        # One GPU without FSDP: fp32 master weights, bf16 compute (FSDP2's MixedPrecisionPolicy otherwise)
+        cuda_single = rt.device.type == "cuda" and not rt.sharded
+        self.autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if cuda_single else contextlib.nullcontext
+
+    # ------------------------------------------------------------------------------- metrics
+    def log(self, record: dict) -> None:
+        if self.rt.main:
+            with open(self.state / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.rt.sharded:
+            dist.all_reduce(t)
+        return t
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out KL(t||s) per token, top-1 agreement, student and teacher perplexity."""
+        self.model.student.eval()
+        sums = torch.zeros(len(EVAL_KEYS), dtype=torch.float64, device=self.rt.device)
+        mine = self.windows.eval[self.rt.rank :: self.rt.world]  # equal counts: Windows rounds up
+        for lo in range(0, mine.shape[0], self.args.micro_batch):
+            with self.autocast():
+                sums += self.model(mine[lo : lo + self.args.micro_batch].to(self.rt.device), evaluate=True)
+        self.model.student.train()
+        s = dict(zip(EVAL_KEYS, self._all_sum(sums).tolist()))
+        return {
+            "kl": s["kl"] / s["tokens"],
+            "top1": s["agree"] / s["tokens"],
+            "ppl": math.exp(s["ce_student"] / s["ce_tokens"]),
+            "teacher_ppl": math.exp(s["ce_teacher"] / s["ce_tokens"]),
+        }
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def _dcp_state(self, with_optimizer: bool) -> dict:
+        if not with_optimizer:
+            return {"model": get_model_state_dict(self.model.student)}
+        model_sd, optim_sd = get_state_dict(self.model.student, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        state.update(scheduler=self.scheduler.state_dict(), progress=dict(self.progress))
+        return state
+
+    def _save(self, name: str, with_optimizer: bool) -> None:
+        """Write state/<name> atomically (written to a temporary name, renamed by rank 0)."""
+        final, tmp = self.state / name, self.state / f"{name}.tmp"
+        if self.rt.main and tmp.exists():
+            shutil.rmtree(tmp)
+        self._barrier()
+        dcp.save(self._dcp_state(with_optimizer), checkpoint_id=str(tmp))
+        self._barrier()
+        if self.rt.main:
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        self._barrier()
+
+    def _load(self, name: str, with_optimizer: bool) -> None:
+        state = self._dcp_state(with_optimizer)
+        dcp.load(state, checkpoint_id=str(self.state / name))
+        if not with_optimizer:
+            set_model_state_dict(self.model.student, state["model"])
+        else:
+            set_state_dict(self.model.student, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.progress.update(state["progress"])
+
+    def _barrier(self) -> None:
+        if self.rt.sharded:
+            dist.barrier()
+
+    def resume(self) -> None:
+        self._load("last", with_optimizer=True)
+        metrics = self.state / "metrics.jsonl"
+        if self.rt.main and metrics.exists():  # drop what the interrupted run logged after its checkpoint
+            kept = [line for line in metrics.read_text().splitlines()
+                    if json.loads(line).get("step", 0) <= self.progress["step"]]
+            metrics.write_text("".join(line + "\n" for line in kept))
+
+    # ----------------------------------------------------------------------------------- loop
+    def _step(self, step: int) -> dict:
+        batch = self.windows.batch(step, self.per_step)[self.rt.rank :: self.rt.world]  # [per_rank, T]
+        tokens = batch.numel()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
+        for lo in range(0, batch.shape[0], self.args.micro_batch):
+            ids = batch[lo : lo + self.args.micro_batch].to(self.rt.device)
+            with self.autocast():
+                loss, kl, ce = self.model(ids)
+            # per-token mean over this rank's batch; FSDP2 averages the gradients over ranks
+            (loss / tokens).backward()
+            totals += torch.stack([kl, ce]).double()
+        params = [p for p in self.model.student.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.args.grad_clip if self.args.grad_clip > 0 else math.inf)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = self._all_sum(totals) / (tokens * self.rt.world)
+        return {"kl": totals[0].item(), "ce": totals[1].item(), "grad_norm": float(norm), "lr": lr}
+
+    def _after_eval(self, step: int, metrics: dict) -> bool:
+        """Track the best held-out KL; True when early stopping fires."""
+        p, a = self.progress, self.args
+        if p["teacher_ppl"] is None:
+            p["teacher_ppl"] = metrics["teacher_ppl"]
+        if metrics["kl"] < p["best_kl"]:
+            p["best_kl"], p["best_step"] = metrics["kl"], step
+            self._save("best", with_optimizer=False)
+        worse = metrics["kl"] > p["best_kl"] * (1 + a.threshold)
+        p["bad_evals"] = p["bad_evals"] + 1 if worse else 0
+        if a.patience and p["bad_evals"] >= a.patience:
+            p["stopped"] = (f"early stop at step {step}: held-out KL worse than the best ({p['best_kl']:.4g} at step "
+                            f"{p['best_step']}) by > {a.threshold:.0%} for {a.patience} evaluations")
+            return True
+        return False
+
+    def _eval_and_log(self, step: int, t0: float) -> bool:
+        metrics = self.last_eval = self.evaluate()
+        stop = self._after_eval(step, metrics)
+        self.log({"event": "eval", "step": step, "tokens": step * self.args.batch_tokens,
+                  "elapsed_s": round(self.progress["elapsed_s"] + time.monotonic() - t0, 2),
+                  "train_s": round(self.progress["train_s"], 2), **metrics})
+        if self.rt.main:
+            plot_curves(self.state / "metrics.jsonl", self.state / "curves.png")
+        return stop
+
+    def train(self) -> dict:
+        """Run to the token budget, the time budget or early stopping; leave the best evaluated
+        weights in the student. Returns the final evaluation."""
+        a, p = self.args, self.progress
+        t0 = time.monotonic()
+        start = p["step"]
+        if start == 0:
+            self.log({"event": "start", "steps": self.steps, "warmup_steps": self.warmup,
+                      "batch_tokens": a.batch_tokens, "world": self.rt.world, "ce_weight": a.ce_weight})
+            stop = self._eval_and_log(0, t0)
+        else:
+            stop = bool(p["stopped"])
+        bar = tqdm(total=self.steps, initial=start, disable=not self.rt.main, desc="fcsd", unit="step",
+                   dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
+        step = start
+        last_log = time.monotonic()
+        while not stop and step < self.steps:
+            t_step = time.monotonic()
+            out = self._step(step)
+            p["train_s"] += time.monotonic() - t_step
+            step += 1
+            p["step"] = step
+            bar.update(1)
+            bar.set_postfix(kl=f"{out['kl']:.4f}", lr=f"{out['lr']:.2e}", best=f"{p['best_kl']:.4f}")
+            elapsed = p["elapsed_s"] + time.monotonic() - t0
+            if step % a.log_every == 0 or step == self.steps:
+                now = time.monotonic()
+                rate = a.log_every * a.batch_tokens / max(now - last_log, 1e-9)
+                last_log = now
+                self.log({"event": "train", "step": step, "tokens": step * a.batch_tokens, "elapsed_s": round(elapsed, 2),
+                          "train_s": round(p["train_s"], 2), "tok_per_s": round(rate, 1), **out})
+            over_time = a.time_budget and p["train_s"] >= a.time_budget
+            if over_time:
+                p["stopped"] = f"time budget of {a.time_budget:g} s of training steps reached at step {step}"
+            if step % a.eval_every == 0 or step == self.steps or over_time:
+                stop = self._eval_and_log(step, t0) or bool(over_time)
+            if step % a.save_every == 0 and not stop and step < self.steps:
+                p["elapsed_s"] += time.monotonic() - t0
+                t0 = time.monotonic()
+                self._save("last", with_optimizer=True)
+        bar.close()
+        p["elapsed_s"] += time.monotonic() - t0
+        if p["best_step"] != step:
+            self._load("best", with_optimizer=False)
+            final = self.evaluate()
+        else:
+            final = self.last_eval or self.evaluate()
+        self.log({"event": "final", "step": step, "output_step": p["best_step"], "stopped": p["stopped"],
+                  "elapsed_s": round(p["elapsed_s"], 2), "train_s": round(p["train_s"], 2), **final})
+        return {**final, "output_step": p["best_step"], "steps": step, "stopped": p["stopped"]}

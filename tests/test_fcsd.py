@@ -1,0 +1,244 @@
+"""`python -m sglang_farskip.fcsd`: the student forward against stock transformers and the reference,
+the chunked loss against a direct computation, a short real run, its output served by SGLang, and
+one `error:` line (exit 2, nothing written) per bad input.
+
+Tolerances. Parity (fp32): logits within 1e-4. The student and stock transformers run the same
+modules in the same order; the reference decompresses MLA and sums h + a + s + r in its own order.
+Measured differences are below 1e-5 on logits of magnitude ~10; a wiring mistake moves them by more
+than 1 (asserted below: FarSkip on vs stock differs by > 1). Loss (fp32): relative 1e-5, the
+difference between summing per chunk and summing once. Server logprobs: 1e-4, as in
+test_server_parity.py (SGLang runs MLA absorbed, in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pydoc_data.topics
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DeepseekV3ForCausalLM
+
+from sglang_farskip.config import FarSkipConfig
+from sglang_farskip.demo_model import build_checkpoint
+from sglang_farskip.fcsd.loss import distill_loss, eval_sums
+from sglang_farskip.fcsd.run import main
+from sglang_farskip.fcsd.student import FarSkipDeepseekV3ForCausalLM
+from sglang_farskip.reference import load_reference
+
+from serverutil import Server
+
+LOGIT_ATOL = 1e-4
+LOGPROB_ATOL = 1e-4
+VARIANTS = [FarSkipConfig(True), FarSkipConfig(True, 2, 3), FarSkipConfig(True, attn_only=True),
+            FarSkipConfig(True, mlp_only=True)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two OpenMP threads on a shared 2-core machine spin against other processes (~50x slower).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("fcsd") / "plain", farskip=None)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    topics = sorted(pydoc_data.topics.topics.items())[:40]  # ~100k tokens of English prose
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for _, text in topics))
+    return path
+
+
+def test_student_matches_stock_and_reference(teacher):
+    student = FarSkipDeepseekV3ForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    stock = DeepseekV3ForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    reference = load_reference(str(teacher))
+    ids = torch.randint(2, 4096, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = stock(ids).logits
+        assert (student(ids) - expected).abs().max() <= LOGIT_ATOL  # config has no FarSkip keys: off
+        for farskip in VARIANTS:
+            student.set_farskip(farskip)
+            reference.set_farskip(farskip)
+            got = student(ids)
+            for row in range(ids.shape[0]):
+                assert (got[row] - reference(ids[row])).abs().max() <= LOGIT_ATOL, farskip
+            assert (got - expected).abs().max() > 1, f"{farskip} changed nothing"
+
+
+@pytest.mark.parametrize("ce_weight", [0.0, 0.3])
+def test_chunked_loss_equals_direct(ce_weight):
+    gen = torch.Generator().manual_seed(1)
+    N, H, V = 37, 16, 50  # 37 tokens in chunks of 8: a ragged last chunk
+    s_h, t_h = torch.randn(N, H, generator=gen), torch.randn(N, H, generator=gen)
+    s_w, t_w = torch.randn(V, H, generator=gen), torch.randn(V, H, generator=gen)
+    labels = torch.randint(V, (N,), generator=gen)
+    labels[-1] = -100
+    ours = [x.clone().requires_grad_() for x in (s_h, s_w)]
+    loss, kl, ce = distill_loss(*ours[:1], ours[1], t_h, t_w, labels, ce_weight=ce_weight, chunk=8)
+    loss.backward()
+
+    direct = [x.clone().requires_grad_() for x in (s_h, s_w)]
+    s_logp = (direct[0] @ direct[1].T).log_softmax(-1)
+    t_logp = (t_h @ t_w.T).log_softmax(-1)
+    kl_ref = F.kl_div(s_logp, t_logp, log_target=True, reduction="sum")  # KL(teacher || student)
+    ce_ref = F.cross_entropy(s_logp, labels, ignore_index=-100, reduction="sum")
+    loss_ref = (1 - ce_weight) * kl_ref + ce_weight * ce_ref
+    loss_ref.backward()
+
+    torch.testing.assert_close(kl, kl_ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, loss_ref.detach(), rtol=1e-5, atol=1e-5)
+    if ce_weight:
+        torch.testing.assert_close(ce, ce_ref.detach(), rtol=1e-5, atol=1e-5)
+    for a, b in zip(ours, direct):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    sums = eval_sums(s_h, s_w, t_h, t_w, labels, chunk=8)
+    assert sums["kl"] == pytest.approx(kl_ref.item(), rel=1e-5)
+    assert sums["agree"] == (s_logp.argmax(-1) == t_logp.argmax(-1)).sum().item()
+    assert sums["ce_student"] == pytest.approx(F.cross_entropy(s_logp, labels, reduction="sum").item(), rel=1e-5)
+
+
+# 16 steps of 8 windows x 64 tokens. The seeded random teacher is peaky (lm_head logit std 4), so
+# LR 1e-4 first raises its KL; at 3e-5 it falls at every evaluation (0.733 -> 0.686 -> 0.614 measured).
+RUN_FLAGS = ["--seq-len", "64", "--batch-tokens", "512", "--micro-batch", "4", "--tokens", str(512 * 16),
+             "--lr", "3e-5", "--warmup-steps", "2", "--eval-every", "8", "--eval-tokens", "1024", "--save-every", "8"]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(teacher, corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "student"
+    assert main([str(teacher), str(corpus), str(out), *RUN_FLAGS]) == 0
+    return out
+
+
+def test_short_run_lowers_held_out_kl(trained):
+    records = _records(trained)
+    evals = [r for r in records if r["event"] == "eval"]
+    final = next(r for r in records if r["event"] == "final")
+    assert [e["step"] for e in evals] == [0, 8, 16]
+    assert evals[2]["kl"] < evals[1]["kl"] < evals[0]["kl"], evals
+    assert final["kl"] < 0.9 * evals[0]["kl"], (evals, final)
+    assert final["kl"] == min(e["kl"] for e in evals)  # the output is the best evaluated student
+    cfg = json.loads((trained / "config.json").read_text())
+    assert FarSkipConfig.from_hf_config(cfg) == FarSkipConfig(True)
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "curves.png", "model.safetensors"):
+        assert (trained / name).is_file(), name
+    assert not (trained.parent / "student.fcsd-state").exists()
+
+
+def test_output_served_by_sglang_matches_student(trained):
+    student = FarSkipDeepseekV3ForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    assert student.farskip == FarSkipConfig(True)
+    prompt = [0] + list(range(100, 140))
+    with Server(["--model-path", str(trained), "--dtype", "float32"]) as server:
+        server.wait_ready()
+        tokens, logprobs = server.generate(prompt, 6)
+    with torch.no_grad():
+        ref = student(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1 :].log_softmax(-1)
+    assert tokens == ref.argmax(-1).tolist()
+    got = torch.tensor(logprobs)
+    want = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
+    assert (got - want).abs().max() <= LOGPROB_ATOL
+
+
+def test_torchrun_fsdp2_killed_and_resumed_matches_one_process(trained, teacher, corpus, tmp_path):
+    """Two CPU ranks (gloo) under torchrun, FSDP2-sharded, the same flags, killed (SIGKILL) after
+    the step-8 checkpoint and resumed with --resume: every held-out evaluation equals the
+    one-process uninterrupted run's (same data per step, gradients averaged by FSDP2, optimizer and
+    scheduler restored by torch.distributed.checkpoint). Measured relative difference ~1e-7 (fp32
+    reduction order); 1e-5 allowed."""
+    out = tmp_path / "dist"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "sglang_farskip.fcsd", str(teacher), str(corpus), str(out), *RUN_FLAGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    checkpoint = tmp_path / "dist.fcsd-state" / "last"
+    try:
+        deadline = time.monotonic() + 300
+        while not checkpoint.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert checkpoint.exists() and first.poll() is None, "no checkpoint while the first run was alive"
+    finally:
+        # torchrun's workers run in their own sessions: kill them by pid, then torchrun itself
+        for proc in psutil.Process(first.pid).children(recursive=True):
+            proc.kill()
+        first.kill()
+        first.wait()
+    assert not out.exists()
+    result = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=400, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _records(out)[0]["world"] == 2
+    dist_evals = [r for r in _records(out) if r["event"] == "eval"]
+    one_evals = [r for r in _records(trained) if r["event"] == "eval"]
+    for a, b in zip(dist_evals, one_evals, strict=True):
+        for key in ("kl", "top1", "ppl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (key, a, b)
+    assert (out / "model.safetensors").is_file()
+
+
+def _variant(teacher: Path, dst: Path, **config) -> Path:
+    dst.mkdir()
+    for f in teacher.iterdir():
+        if f.name != "config.json":
+            os.symlink(f, dst / f.name)
+    cfg = json.loads((teacher / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    return dst
+
+
+@pytest.mark.parametrize("case", ["not_deepseek", "already_farskip", "fp8", "empty_data", "out_exists", "both_only"])
+def test_bad_input_is_one_error_line(case, teacher, corpus, tmp_path, capsys):
+    data, out, flags = corpus, tmp_path / "out", []
+    if case == "not_deepseek":
+        teacher = _variant(teacher, tmp_path / "llama", architectures=["LlamaForCausalLM"])
+        expect = "not a DeepSeek-V3 checkpoint"
+    elif case == "already_farskip":
+        teacher = _variant(teacher, tmp_path / "fs", **FarSkipConfig(True).to_hf_keys())
+        expect = "already a FarSkip checkpoint"
+    elif case == "fp8":
+        teacher = _variant(teacher, tmp_path / "fp8", quantization_config={"quant_method": "fp8"})
+        expect = "dequantise to bf16 first"
+    elif case == "empty_data":
+        data = tmp_path / "empty.txt"
+        data.write_text("")
+        expect = "is empty"
+    elif case == "out_exists":
+        out.mkdir()
+        expect = "exists: choose a new path"
+    else:
+        flags = ["--attn-only", "--mlp-only"]
+        expect = "convert nothing"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main([str(teacher), str(data), str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expect in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_too_little_data_and_exit_code(teacher, tmp_path):
+    data = tmp_path / "tiny.txt"
+    data.write_text("A few words only.\n")
+    result = subprocess.run([sys.executable, "-m", "sglang_farskip.fcsd", str(teacher), str(data), str(tmp_path / "o")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: the data gives") and "add data" in result.stderr
+    assert not (tmp_path / "o").exists()
