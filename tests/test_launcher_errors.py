@@ -78,7 +78,7 @@ def test_unreadable_config_json(tmp_path):
     ({"farskip_start_idx": 9}, ["no layer would be converted", "farskip_start_idx"]),
     ({"attn_only_farskip": True, "mlp_only_farskip": True}, ["both true", "at most one"]),
     ({"farskip": "yes"}, ["must be true or false"]),
-    ({"architectures": ["LlamaForCausalLM"]}, ["LlamaForCausalLM", "DeepseekV3ForCausalLM only"]),
+    ({"architectures": ["LlamaForCausalLM"]}, ["LlamaForCausalLM", "DeepseekV3ForCausalLM and InstellaMoEForCausalLM only"]),
 ])
 def test_bad_farskip_config(tmp_path, overrides, fragments):
     proc = launch(["--model-path", write_config(tmp_path, **overrides)])
