@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_farskip.config import FarSkipConfig, FarSkipConfigError
-from sglang_farskip.demo_model import build_checkpoint, kind_overrides
+from sglang_farskip.demo_model import build_checkpoint, ensure_demo_checkpoint, kind_overrides
 from sglang_farskip.reference import load_reference
 
 from serverutil import Server, free_port
@@ -73,15 +73,19 @@ def check_ranks(ranks, mode: str, converted: list[int]) -> None:
 
 
 # ------------------------------------------------------------------ servers vs reference
-def test_tp1_with_remote_code_matches_reference(instella):
-    with Server(["--model-path", str(instella), "--trust-remote-code", *FLOAT32]) as server:
+def test_demo_tp1_with_remote_code_matches_reference(tmp_path):
+    """`--demo instella`: the launcher builds the tiny Instella into the cache and serves it."""
+    cache = tmp_path / "cache"
+    with Server(["--demo", "instella", "--trust-remote-code", *FLOAT32],
+                env={"SGLANG_FARSKIP_CACHE": str(cache)}) as server:
         server.wait_ready()
-        ranks = server.get("/farskip/info")["ranks"]
+        info = server.get("/farskip/info")
         served = _served(server)
         log = server.log_tail(100000)
-    check_ranks(ranks, "overlap", LAYERS)
+    assert info["launcher"]["demo"] is True
+    check_ranks(info["ranks"], "overlap", LAYERS)
     assert "InstellaMoEForCausalLM: MLA KV cache, latent 64 + rope 16" in log
-    ref = load_reference(str(instella))
+    ref = load_reference(str(ensure_demo_checkpoint(cache, kind="instella")))  # the one served
     _assert_matches_reference(served, ref)
     print(f"TP=1 Instella: max |logprob - reference| = {max_logprob_diff(served, ref):.2e}")
 
