@@ -40,39 +40,65 @@ CHUNKING = {"SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD": "32", "SGLANG_MAX_KV_CHUNK_
 NEW_TOKENS = 8
 
 
-def steps(seed: int) -> list[tuple[str, list[int], str]]:
-    """(case, prompt, the prefill method upstream's rules pick). Sent in order on a fresh server:
-    the first prompt has nothing cached (its first token is unlike every other prompt's)."""
+def steps(seed: int) -> list[tuple[str, list[list[int]], dict, dict]]:
+    """(case, prompts sent as one batch, attention methods, prefix-chunk counts) per request, in
+    order on a fresh server; the counts are what upstream's rules give: one prefill forward, then
+    NEW_TOKENS - 1 decode forwards (absorbed MLA), the batch decoding together."""
     rng = random.Random(seed)
-    fresh = [rng.randrange(2, 4096) for _ in range(120)]
+
+    def ids(n):
+        return [rng.randrange(2, 4096) for _ in range(n)]
+
+    fresh = ids(120)  # nothing cached starts like it (every other prompt's first token is 0)
+    decode = NEW_TOKENS - 1
     return [
-        ("no prefix", fresh, "MHA"),
-        ("120-token cached prefix", fresh + [rng.randrange(2, 4096) for _ in range(9)], "MHA_CHUNKED_KV"),
-        ("10-token cached prefix", fresh[:10] + [rng.randrange(2, 4096) for _ in range(20)], "MLA"),
+        ("no prefix", [fresh], {"MHA": 1, "MLA": decode}, {}),
+        # 120 cached tokens in chunks of 48: three chunks
+        ("120-token cached prefix", [fresh + ids(9)], {"MHA_CHUNKED_KV": 1, "MLA": decode}, {"3": 1}),
+        # below the threshold: upstream keeps absorbed MLA for the prefill too
+        ("10-token cached prefix", [fresh[:10] + ids(20)], {"MLA": 1 + decode}, {}),
+        # one request with a cached prefix and one without in a batch: the chunk capacity is
+        # shared (24 tokens a request, five chunks), the second request's chunks are empty
+        ("mixed batch", [fresh + ids(5), ids(40)], {"MHA_CHUNKED_KV": 1, "MLA": decode}, {"5": 1}),
     ]
 
 
-def serve_steps(server: Server, seed: int, expect_methods: bool = True):
-    """[(tokens, logprobs)] per step; checks each step's attention methods on every local rank."""
+def _counts(server: Server) -> list[dict]:
+    return [{k: r.get(k, {}) for k in ("attention_methods", "prefix_chunks")}
+            for r in server.get("/farskip/info")["ranks"]]
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def serve_steps(server: Server, seed: int, absorbed: bool = False):
+    """Greedy (tokens, logprobs) per prompt of every step; checks each step's attention methods
+    and prefix chunks on every local rank (absorbed: every forward MLA, no chunks)."""
     results = []
-    before = [r.get("attention_methods", {}) for r in server.get("/farskip/info")["ranks"]]
-    for case, prompt, method in steps(seed):
-        results.append(server.generate(prompt, NEW_TOKENS))
-        after = [r.get("attention_methods", {}) for r in server.get("/farskip/info")["ranks"]]
-        if expect_methods:
-            # one prefill by `method`, then NEW_TOKENS - 1 decode steps, all absorbed MLA
-            want = {method: 1} if method != "MLA" else {}
-            want["MLA"] = want.get("MLA", 0) + NEW_TOKENS - 1 + (method == "MLA")
-            for b, a in zip(before, after):
-                got = {k: a.get(k, 0) - b.get(k, 0) for k in a if a.get(k, 0) != b.get(k, 0)}
-                assert got == want, f"{case}: attention methods {got}, expected {want}"
+    before = _counts(server)
+    for case, prompts, methods, chunks in steps(seed):
+        out = server.post("/generate", {
+            "input_ids": prompts, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+        for o in out:
+            pairs = o["meta_info"]["output_token_logprobs"]
+            results.append(([p[1] for p in pairs], [p[0] for p in pairs]))
+        after = _counts(server)
+        if absorbed:
+            methods, chunks = {"MLA": sum(methods.values())}, {}
+        for b, a in zip(before, after):
+            got = (_delta(b["attention_methods"], a["attention_methods"]),
+                   _delta(b["prefix_chunks"], a["prefix_chunks"]))
+            assert got == (methods, chunks), f"{case}: methods/chunks {got}, expected {(methods, chunks)}"
         before = after
     return results
 
 
 def assert_matches_reference(results, reference, seed: int) -> float:
     worst = 0.0
-    for (case, prompt, _), (tokens, logprobs) in zip(steps(seed), results):
+    prompts = [(case, p) for case, batch, _, _ in steps(seed) for p in batch]
+    for (case, prompt), (tokens, logprobs) in zip(prompts, results):
         ref_tokens, ref_logprobs = reference.greedy(prompt, NEW_TOKENS)
         assert tokens == ref_tokens, f"{case}: greedy tokens differ from the reference"
         diff = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs))
@@ -105,6 +131,11 @@ def test_chunked_attention_with_merge_equals_one_attention():
         out, lse = merge_state_cpu(chunk_out, chunk_lse, out, lse, torch.empty_like(out), torch.empty_like(lse))
     torch.testing.assert_close(out, whole, rtol=0, atol=1e-6)  # float32 rounding of exp/log
     torch.testing.assert_close(lse, whole_lse, rtol=0, atol=1e-6)
+    # and the comparison can fail: a dropped chunk is far outside that tolerance
+    out, lse = attend(q, k[p:], v[p:], 0.25, causal=True)
+    chunk_out, chunk_lse = attend(q, k[:5], v[:5], 0.25, causal=False)
+    out, _ = merge_state_cpu(chunk_out, chunk_lse, out, lse)
+    assert (out - whole).abs().max() > 1e-2
 
 
 # ------------------------------------------------------------------ servers
@@ -113,12 +144,10 @@ def test_deepseek_mha_prefill_matches_reference_and_absorbed(checkpoints):
     with Server(["--model-path", path, *MHA, *FLOAT32], env=CHUNKING) as server:
         server.wait_ready()
         mha = serve_steps(server, seed=1)
-    with Server(["--model-path", path, *FLOAT32], env=CHUNKING) as server:
+    with Server(["--model-path", path, "--farskip-cpu-attention", "absorbed", *FLOAT32], env=CHUNKING) as server:
         server.wait_ready()
         ranks = server.get("/farskip/info")["ranks"]
-        absorbed = serve_steps(server, seed=1, expect_methods=False)
-        after = server.get("/farskip/info")["ranks"]
-    assert set(after[0]["attention_methods"]) == {"MLA"}  # the default: absorbed for every batch
+        absorbed = serve_steps(server, seed=1, absorbed=True)
     assert ranks[0]["mode"] == "overlap"
     ref = load_reference(path)
     print(f"DeepSeek-V3 all layers, MHA prefill: max |logprob - reference| = "
@@ -158,3 +187,11 @@ def test_layer_range_two_nodes_mha(checkpoints):
     assert rank0["mode"] == "overlap" and rank0["converted_layers"] == [2, 3]
     print(f"layers 2..3 on two nodes, MHA prefill: max |logprob - reference| = "
           f"{assert_matches_reference(results, load_reference(path), 3):.2e}")
+
+
+# ------------------------------------------------------------------ the flag's refusals
+def test_mha_flag_is_for_cpu_runs_only(checkpoints):
+    from test_launcher_errors import assert_fails, launch
+
+    assert_fails(launch(["--model-path", str(checkpoints["full"]), *MHA, "--device", "cuda"]),
+                 "CPU runs only", "remove the flag")

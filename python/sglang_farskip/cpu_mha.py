@@ -10,7 +10,7 @@ attention backend (`models/deepseek_common/attention_backend_handler.py`):
     MLA             absorbed: queries against the compressed cache itself (decode, and on CPU
                     by default every batch)
 GPU backends run all three. torch_native implements only the absorbed form, so by default the
-CPU handler picks MLA for every batch (`--farskip-cpu-attention absorbed`). With
+CPU handler picks MLA for every batch (also `--farskip-cpu-attention absorbed`). With
 `--farskip-cpu-attention mha` it follows upstream's GPU rules (triton's for a batch without a
 prefix, flashinfer/fa3's for a prefix of at least SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD tokens,
 absorbed MLA otherwise and for decode), and `TorchNativeMLAPrefillBackend` computes the MHA
@@ -18,11 +18,14 @@ calls in plain PyTorch (an explicit float32 softmax, per request).
 
 Upstream's own code runs in between: the latent is still written to the compressed cache by
 `forward_normal_prepare`, decode still reads it absorbed. Two GPU kernels on that path get CPU
-twins, installed by rebinding a module attribute that upstream looks up at call time (each
-delegates to upstream's kernel for a non-CPU tensor): the chunk-index builder and `merge_state`.
+twins, installed by rebinding a module attribute that upstream looks up at call time: the
+chunk-index builder and `merge_state` (installed on CPU runs only; for a non-CPU tensor they
+would still call upstream's kernel).
 
-Evidence: every rank counts the method chosen for layer 0 (once per forward) and publishes the
-counts in its /farskip/info report as `attention_methods`.
+Evidence, when `--farskip-cpu-attention` is given: every rank counts the method chosen for
+layer 0 (once per forward) and, for each chunked-prefix forward, its number of prefix chunks,
+and publishes both in its /farskip/info report (`attention_methods`, `prefix_chunks`). Without
+the flag nothing is counted: that would be a file write per forward.
 """
 
 from __future__ import annotations
@@ -48,24 +51,25 @@ def cpu_attention() -> str:
     overrides = get_server_args().json_model_override_args or "{}"
     if isinstance(overrides, str):
         overrides = json.loads(overrides)
-    choice = overrides.get(CONFIG_KEY) or "absorbed"
-    if choice not in CHOICES:
+    choice = overrides.get(CONFIG_KEY)
+    if choice not in (None, *CHOICES):
         raise ValueError(f"{CONFIG_KEY}={choice!r}: choose one of {', '.join(CHOICES)} (--farskip-cpu-attention)")
-    return choice
+    return choice or ""
 
 
-_counts: collections.Counter = collections.Counter()
+_evidence = {"attention_methods": collections.Counter(), "prefix_chunks": collections.Counter()}
 
 
-def _record(attn, method) -> None:
-    if attn.layer_id != 0:
+def _record(kind: str, key: str) -> None:
+    """Count one forward (called at layer 0) and publish the counts in this rank's report."""
+    if not cpu_attention():
         return
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_farskip.status import update_rank_status
 
-    _counts[method.name] += 1
-    update_rank_status(get_parallel().tp_rank, attention_methods=dict(_counts))
+    _evidence[kind][key] += 1
+    update_rank_status(get_parallel().tp_rank, **{k: dict(v) for k, v in _evidence.items()})
 
 
 def handle_attention_torch_native(attn, forward_batch):
@@ -82,7 +86,8 @@ def handle_attention_torch_native(attn, forward_batch):
             method = AttnForwardMethod.MHA_CHUNKED_KV
         if method in (AttnForwardMethod.MHA, AttnForwardMethod.MHA_CHUNKED_KV):
             attn.attn_mha.farskip_mha = True  # tells the backend this RadixAttention takes K/V, not latents
-    _record(attn, method)
+    if attn.layer_id == 0:
+        _record("attention_methods", method.name)
     return method
 
 
@@ -117,8 +122,11 @@ def _make_backend_class():
             q = q.view(-1, H, layer.qk_head_dim)  # [T, H*dqk] -> [T, H, dqk]
             new_lens = forward_batch.extend_seq_lens_cpu
             if forward_batch.attn_attend_prefix_cache:  # one chunk of the cached prefix
-                kv_lens = forward_batch.prefix_chunk_seq_lens_cpu[forward_batch.prefix_chunk_idx].tolist()
+                chunk = forward_batch.prefix_chunk_idx
+                kv_lens = forward_batch.prefix_chunk_seq_lens_cpu[chunk].tolist()
                 causal = False  # every new token comes after the whole prefix
+                if layer.layer_id == 0 and chunk == forward_batch.num_prefix_chunks - 1:
+                    _record("prefix_chunks", str(forward_batch.num_prefix_chunks))
             else:  # the new tokens themselves
                 kv_lens, causal = new_lens, True
             out = q.new_empty(q.shape[0], H, layer.v_head_dim)
@@ -169,18 +177,22 @@ class _ChunkIndicesOnCpu:
 
 def install() -> None:
     """Handler, backend and the two twins; every SGLang process (plugin load). Idempotent."""
-    from sglang.srt.arg_groups.choices import CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS
-    from sglang.srt.layers.attention import attention_registry, merge_state
+    from sglang.srt.arg_groups.choices import (
+        CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS,
+        add_chunked_prefix_cache_attention_backend,
+    )
+    from sglang.srt.layers.attention import merge_state
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.model_executor import forward_batch_deepseek_mha_mixin as mha_mixin
     from sglang.srt.models.deepseek_common import attention_backend_handler as abh
 
     abh.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
     backend_cls = _make_backend_class()
-    attention_registry.ATTENTION_BACKENDS["torch_native"] = lambda runner: backend_cls(runner)
-    # The list model loading consults (misc_utils.maybe_disable_chunked_prefix_cache), meant for
-    # out-of-tree backends to join; without it the chunked-prefix path is switched off.
+    register_attention_backend("torch_native")(lambda runner: backend_cls(runner))
+    # Model loading switches the chunked-prefix path off for backends not on this list
+    # (misc_utils.maybe_disable_chunked_prefix_cache); out-of-tree backends join it this way.
     if "torch_native" not in CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS:
-        CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS.append("torch_native")
+        add_chunked_prefix_cache_attention_backend("torch_native")
 
     upstream_merge = merge_state.merge_state
     if not getattr(upstream_merge, "_farskip_cpu", False):

@@ -305,6 +305,12 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         raise LaunchError(f"SGLang rejected the arguments: {e}") from None
     resolved = resolving_view(server_args)
     _check_mla_layout(server_args, config)
+    prefill_backend = getattr(resolved, "prefill_attention_backend", None) or resolved.attention_backend
+    if own.farskip_cpu_attention == "mha" and prefill_backend != "torch_native":
+        raise LaunchError(
+            f"--farskip-cpu-attention mha runs with the torch_native attention backend only, not "
+            f"{prefill_backend!r}: drop --attention-backend/--prefill-attention-backend, or the flag"
+        )
     if farskip.enabled and mode is not FarSkipMode.OFF:
         overlap = mode is FarSkipMode.OVERLAP
         keys = argparse.Namespace(**{**(overrides or {}), **farskip_keys})

@@ -13,7 +13,7 @@ gate_proj is column-parallel with the same contiguous split as q_proj and kv_b_p
 Every DeepSeek attention method of 0.5.23 (MHA prefill, chunked-KV and one-shot prefill,
 absorbed-MLA decode, the CPU and ROCm variants) ends in `self.o_proj(attn_output)`; which one
 runs is chosen per batch inside the attention module. So the gate is computed when the
-attention module is entered and multiplied in at o_proj's input, the one point all of them pass
+attention's prepare step starts and multiplied in at o_proj's input, the one point all of them pass
 through, rather than in each method (AMD's own port gates only some of them). Upstream's
 `prepare_attention_output_gate` hook exists only on the absorbed path and is deliberately not
 used.
@@ -59,23 +59,28 @@ class GatedOProj(RowParallelLinear):
 
 
 class GatedMLA(DeepseekV2AttentionMLA):
-    """Upstream MLA; entering it computes the gate of this call for o_proj."""
+    """Upstream MLA; its prepare step (the entry of `forward` and of two-batch overlap's
+    `op_prepare` alike) computes the gate of this call for o_proj."""
 
     attn_gate: ColumnParallelLinear
     o_proj: GatedOProj
 
-    def forward(self, positions, hidden_states, forward_batch, zero_allocator,
-                input_on_attn_tp_slices: bool = False, **kwargs):
-        if input_on_attn_tp_slices or isinstance(hidden_states, tuple):
-            # The gate must see the same (gathered, unquantised) tokens as the heads it scales.
+    def forward_prepare(self, positions, hidden_states, forward_batch, zero_allocator,
+                        input_on_attn_tp_slices: bool = False, **kwargs):
+        if input_on_attn_tp_slices:  # the gate must see the gathered tokens the heads see
             raise NotImplementedError(
-                "gated attention needs the attention input unscattered and unquantised: turn off "
-                "attention-input scattering / input quantisation for Instella-MoE"
+                "gated attention (Instella-MoE) with attention input scattered over attention-TP "
+                "ranks: remove --enable-attn-tp-input-scattered"
+            )
+        if isinstance(hidden_states, tuple):  # (fp8 values, scales) from a fused norm+quant
+            raise NotImplementedError(
+                "gated attention (Instella-MoE) with a quantised attention input: serve it in bf16 "
+                "(no --quantization)"
             )
         gate, _ = self.attn_gate(hidden_states)  # [T, H] -> [T, heads/TP * v_head]
         self.o_proj.gate = torch.sigmoid(gate)
-        return super().forward(positions, hidden_states, forward_batch, zero_allocator,
-                               input_on_attn_tp_slices=input_on_attn_tp_slices, **kwargs)
+        return super().forward_prepare(positions, hidden_states, forward_batch, zero_allocator,
+                                       input_on_attn_tp_slices=input_on_attn_tp_slices, **kwargs)
 
 
 def _add_gate(attn: DeepseekV2AttentionMLA, config, prefix: str) -> None:
@@ -104,6 +109,11 @@ class InstellaMoEForCausalLM(FarSkipDeepseekV3ForCausalLM):
             raise FarSkipConfigError(str(e)) from None
         if self.gated:
             for k, layer in enumerate(self.model.layers):
+                if not hasattr(layer, "self_attn"):  # PPMissingLayer: another stage's layer
+                    raise FarSkipConfigError(
+                        "gated attention (Instella-MoE) with pipeline parallelism is not supported: "
+                        "remove --pp-size"
+                    )
                 _add_gate(layer.self_attn, config, f"model.layers.{k}.self_attn.attn_gate")
         return {"gated_attention": self.gated}
 
@@ -146,14 +156,20 @@ class _SkippedTensors(logging.Handler):
 def _skipped_tensors_are_errors():
     """Upstream's DeepSeek loader logs a warning and skips a tensor it has no parameter for; a
     mis-named tensor (an attention gate most of all) would load as nothing. Turn that into an
-    error naming the tensors."""
+    error naming the tensors. The logger is opened up meanwhile: `--log-level error` would
+    otherwise drop the warning, and the tensor with it."""
     loader_log = logging.getLogger("sglang.srt.models.deepseek_common.deepseek_weight_loader")
     handler = _SkippedTensors()
+    level, disabled = loader_log.level, loader_log.disabled
+    loader_log.setLevel(logging.WARNING)
+    loader_log.disabled = False
     loader_log.addHandler(handler)
     try:
         yield
     finally:
         loader_log.removeHandler(handler)
+        loader_log.setLevel(level)
+        loader_log.disabled = disabled
     if handler.messages:
         raise FarSkipConfigError(
             f"{len(handler.messages)} checkpoint tensor(s) match no parameter of the model "
