@@ -2,6 +2,7 @@
 
     python bench/instella_device_check.py [--backends triton,fa3,flashinfer] [--keep DIR]
     python bench/instella_device_check.py --device cpu --backends torch_native   # the logic, on CPU
+                                                                  # (with --farskip-cpu-attention mha)
 
 Instella's MLA latent is kv_lora_rank 512 + qk_rope_head_dim 32 = 544 wide (DeepSeek-V3: 576)
 with qk_nope 96 and v_head 128, 16 heads. Kernels written for DeepSeek-V3 may assume 576 or a
@@ -11,7 +12,12 @@ built for 576). This builds a 2-layer Instella checkpoint with exactly those att
 launcher (TP=1, bf16, CUDA graphs on), and compares against reference.py run in float32 on the
 same weights:
   prefill  the prompt's own token logprobs (`logprob_start_len` 0): prompts of 1, 100 and 600
-           tokens, then 600 + 40 on the cached 600 (an extend over a cached prefix);
+           tokens, then 600 + 40 on the cached 600 (an extend over a cached prefix). Prefill CUDA
+           graphs are off and SGLang's chunked-prefix threshold and chunk capacity are lowered to
+           256 (its own environment variables), so each backend's MHA prefill path runs (the
+           cached 600 in three chunks where the backend chunks), not only absorbed MLA. Which
+           method ran is counted only on CPU (see cpu_mha.py); on GPU it follows upstream's
+           rules (README, "Which attention path runs where");
   decode   16 greedy tokens at batch 1 and 3; the reference scores the server's own tokens
            (teacher forcing), so a bf16 near-tie that flips a token is not a failure.
 Tolerance LOGPROB_TOL = 0.15 nats: bf16 weights and activations over two layers move a
@@ -38,6 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 LOGPROB_TOL = 0.15
 NEW_TOKENS = 16
+CHUNKING = {"SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD": "256", "SGLANG_MAX_KV_CHUNK_CAPACITY": "256"}
 # Instella-MoE-16B-A3B's attention exactly; the rest shrunk so a start takes seconds.
 ATTENTION_SHAPES = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
                         kv_lora_rank=512, qk_nope_head_dim=96, qk_rope_head_dim=32, v_head_dim=128)
@@ -59,7 +66,10 @@ def workload(vocab: int, seed: int = 0):
         return [rng.randrange(2, vocab) for _ in range(n)]
 
     long = ids(600)
-    prefill = [("prompt-1", [0]), ("prompt-100", ids(100)), ("prompt-600", long), ("prefix-600+40", long + ids(40))]
+    # (case, prompt, first position whose logprob is asked: past a cached prefix, so that SGLang
+    # reuses the cache instead of recomputing it for the logprobs)
+    prefill = [("prompt-1", [0], 0), ("prompt-100", ids(100), 0), ("prompt-600", long, 0),
+               ("prefix-600+40", long + ids(40), 600)]
     decode = [("decode-bs1", [ids(12)]), ("decode-bs3", [ids(12) for _ in range(3)])]
     return prefill, decode
 
@@ -71,21 +81,24 @@ def check_backend(backend: str, ckpt: Path, device: str, ref) -> list[str]:
     from serverutil import Server
 
     args = ["--model-path", str(ckpt), "--attention-backend", backend, "--device", device]
-    args += ["--dtype", "float32"] if device == "cpu" else ["--dtype", "bfloat16", "--cuda-graph-max-bs", "8"]
+    if device == "cpu":
+        args += ["--dtype", "float32", "--farskip-cpu-attention", "mha"]
+    else:
+        args += ["--dtype", "bfloat16", "--cuda-graph-max-bs", "8", "--cuda-graph-backend-prefill", "disabled"]
     problems = []
     prefill, decode = workload(ref.args.vocab_size)
-    with Server(args) as server:
+    with Server(args, env=CHUNKING) as server:
         server.wait_ready(timeout=900)
         info = server.get("/farskip/info")["ranks"][0]
         if not (info["model_class"].endswith("InstellaMoEForCausalLM") and info["gated_attention"]):
             problems.append(f"served {info['model_class']} gated={info.get('gated_attention')}")
-        for case, prompt in prefill:
-            out = server.post("/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+        for case, prompt, start in prefill:
+            out = server.post("/generate", {"input_ids": prompt, "return_logprob": True, "logprob_start_len": start,
                                             "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
             meta = out["meta_info"]
             lp, token = meta["output_token_logprobs"][0][:2]
-            served = [p[0] for p in meta["input_token_logprobs"][1:]] + [lp]  # the first token has none
-            problems += _diff(case, served, _scores(ref, prompt + [token]), torch)
+            served = [p[0] for p in meta["input_token_logprobs"][1:]] + [lp]  # the first has none
+            problems += _diff(case, served, _scores(ref, prompt + [token])[start:], torch)
         for case, prompts in decode:
             outs = server.post("/generate", {"input_ids": prompts, "return_logprob": True, "sampling_params": {
                 "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
@@ -93,6 +106,9 @@ def check_backend(backend: str, ckpt: Path, device: str, ref) -> list[str]:
                 pairs = out["meta_info"]["output_token_logprobs"]
                 tokens, served = [p[1] for p in pairs], [p[0] for p in pairs]
                 problems += _diff(case, served, _scores(ref, prompt + tokens)[len(prompt) - 1:], torch)
+        report = server.get("/farskip/info")["ranks"][0]
+        if "attention_methods" in report:
+            print(f"    attention methods {report['attention_methods']}, prefix chunks {report['prefix_chunks']}")
     return problems
 
 
