@@ -1,0 +1,444 @@
+"""The images built and run for real, through docker/build.sh and the shipped compose file.
+
+Needs a Docker engine (and, to make the stand-in base, root and debootstrap): without one every
+test here skips with the reason. `.ci/run` provisions one on CI's machine; a user's machine is
+never provisioned behind their back.
+
+Stand-ins, because no container registry is reachable where these tests run (CI): the base
+images are made from Debian's and PyPI's packages instead of pulled, and say so in their names
+(farskip-standin/...):
+- python:3.11-slim-bookworm -> docker/standin/python-base.sh (debootstrap, Debian's Python 3.11);
+- the upstream SGLang CUDA / ROCm images -> docker/standin/Dockerfile.gpu-base on the CPU image's
+  torch-sglang stage (a Python with torch and SGLang 0.5.23, what the upstream images hold;
+  no GPU), and one with SGLang 0.5.22 that the images must refuse;
+- locustio/locust -> docker/standin/Dockerfile.locust (the pinned locust from PyPI).
+PyTorch's CPU wheel index is not reachable either, so the CPU image is built with
+TORCH_INDEX_URL=https://pypi.org/simple (PyPI's torch is the CUDA build; it runs on CPU).
+
+What runs (docker compose -f deploy/compose.yaml with the shipped env files):
+- the CPU demo profile: healthy, a streamed /v1/completions equal to the bootstrap venv's
+  (float32, same flags), /farskip/info reports FarSkip; HTTP beyond loopback without API_KEY is
+  refused at start;
+- the loadtest profile against the demo: records.jsonl, every request ok, TTFT/ITL present;
+- two nodes as two containers (deploy/cpu-node0.env, cpu-node1.env; tests/compose.one-host.yaml
+  gives each its own network namespace and address): greedy ids equal a single-node TP=1 run,
+  401 without the API key and 200 with it, `docker kill` of node 1 ends node 0 non-zero within
+  KILL_BOUND_S, `down` leaves nothing;
+- docker/Dockerfile.cuda and .rocm built on the GPU stand-ins; the 0.5.22 stand-in fails the
+  build with the reason.
+
+Caching: the stand-in Python base is tagged by a hash of its inputs (python-base.sh); every
+docker build reuses Docker's layer cache, which keys each layer by its instruction, its parent
+and the checksums of the files it copies, so a second run rebuilds only what changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from serverutil import Server, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "compose.yaml"
+ONE_HOST = Path(__file__).resolve().parent / "compose.one-host.yaml"
+VERSIONS = DOCKER / "versions.env"
+PREFIX = "farskip-test"  # compose projects and networks made here
+CPU_IMAGE = "sglang-farskip-test:cpu"
+TORCH_SGLANG_IMAGE = "farskip-standin/torch-sglang:test"
+LOCUST_IMAGE = "farskip-standin/locust:test"
+
+BUILD_TIMEOUT_S = 1800  # the cold CPU build downloads ~4 GB of torch; measured ~5-8 min here
+HEALTHY_TIMEOUT_S = 300  # a CPU start is ~1 min; health is polled every 15 s (compose.yaml)
+KILL_BOUND_S = 60  # node 0 exits within this of `docker kill` of node 1 (measured: see below)
+DIST_TIMEOUT = "60"  # the nodes' collective timeout here; the deployed default is 300 s
+API_KEY = "farskip-test-key"
+NEW_TOKENS = 8
+PROMPT = "The capital of France is"
+PROMPT_IDS = [0, 17, 1234, 77, 3001, 5, 999, 42]
+FLOAT32 = "--dtype float32"
+# The flags deploy/entrypoint.sh gives a one-node demo (tests/test_deploy_static.py checks them).
+DEMO_FLAGS = ["--farskip-mode", "overlap", "--tp-size", "1", "--ep-size", "1",
+              "--moe-a2a-backend", "none", "--nnodes", "1", "--node-rank", "0", "--dtype", "float32"]
+
+
+def _why_not() -> str | None:
+    if not shutil.which("docker"):
+        return "no docker CLI (install Docker Engine; .ci/run does on CI)"
+    try:
+        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
+                              capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "the Docker engine does not answer (docker info timed out)"
+    if info.returncode != 0:
+        last = (info.stderr.strip().splitlines() or ["docker info failed"])[-1]
+        return f"no Docker engine reachable ({last}); .ci/run starts one on CI"
+    if os.geteuid() != 0 or not shutil.which("debootstrap"):
+        return "the stand-in base image needs root and debootstrap (apt-get install debootstrap)"
+    return None
+
+
+pytestmark = [pytest.mark.skipif(_why_not() is not None, reason=str(_why_not())),
+              pytest.mark.timeout(3600)]
+
+
+# ------------------------------------------------------------------ helpers
+def sh(cmd: list[str], *, timeout: float = 120, env: dict | None = None,
+       check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for line in VERSIONS.read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            out[key] = value
+    return out
+
+
+def report(request, line: str) -> None:
+    """One line in pytest's terminal output, captured or not (the numbers the README quotes)."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n[docker] {line}", end="", flush=True)
+
+
+def build(flavour: str, image: str, *args: str) -> float:
+    """docker/build.sh FLAVOUR, tagged IMAGE; seconds taken."""
+    start = time.monotonic()
+    sh([str(DOCKER / "build.sh"), flavour, *args], timeout=BUILD_TIMEOUT_S,
+       env={"FARSKIP_IMAGE": image})
+    return time.monotonic() - start
+
+
+def docker_build(dockerfile: Path, image: str, *build_args: str) -> subprocess.CompletedProcess:
+    """A stand-in: its Dockerfile copies nothing, so it goes on stdin with no context."""
+    cmd = ["docker", "build", "-t", image]
+    for arg in build_args:
+        cmd += ["--build-arg", arg]
+    return subprocess.run([*cmd, "-"], input=dockerfile.read_text(), capture_output=True, text=True,
+                          timeout=BUILD_TIMEOUT_S, env={**os.environ, "DOCKER_BUILDKIT": "0"})
+
+
+def compose_tool() -> str:
+    here = Path(sys.executable).parent / "docker-compose"
+    found = str(here) if here.exists() else shutil.which("docker-compose")
+    if not found:
+        pytest.fail("docker-compose is not installed: run scripts/bootstrap.sh (requirements/tools.txt)")
+    return found
+
+
+class Project:
+    """One `docker compose -p NAME` of the shipped compose file; `down` at the end, always."""
+
+    def __init__(self, name: str, env: dict[str, str], env_files: tuple[Path, ...] = (),
+                 files: tuple[Path, ...] = (), profiles: tuple[str, ...] = ()):
+        self.name = f"{PREFIX}-{name}"
+        self.env = env
+        self.args = [compose_tool(), "-p", self.name, "-f", str(COMPOSE)]
+        for f in files:
+            self.args += ["-f", str(f)]
+        for f in (VERSIONS, *env_files):
+            self.args += ["--env-file", str(f)]
+        for profile in profiles:  # every command: compose ignores services of other profiles
+            self.args += ["--profile", profile]
+
+    def run(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        return sh([*self.args, *args], timeout=timeout, env=self.env, check=check)
+
+    def container(self, service: str) -> str:
+        cid = self.run("ps", "-a", "-q", service).stdout.strip()
+        assert cid, f"{self.name}: no container for {service}"
+        return cid
+
+    def logs(self) -> str:
+        proc = self.run("logs", "--no-color", "--tail", "80", check=False)
+        return "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
+                         if "warnings.warn" not in line)
+
+    def down(self) -> None:
+        self.run("down", "--timeout", "5", "--volumes", check=False, timeout=180)
+
+    def leftovers(self) -> str:
+        return sh(["docker", "ps", "-a", "-q", "--filter",
+                   f"label=com.docker.compose.project={self.name}"]).stdout.strip()
+
+
+def state(cid: str) -> dict:
+    return json.loads(sh(["docker", "inspect", "--format", "{{json .State}}", cid]).stdout)
+
+
+def wait_healthy(project: Project, service: str, timeout: float = HEALTHY_TIMEOUT_S) -> float:
+    cid = project.container(service)
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        st = state(cid)
+        if st["Status"] == "exited":
+            raise AssertionError(f"{service} exited {st['ExitCode']}:\n{project.logs()}")
+        if st.get("Health", {}).get("Status") == "healthy":
+            return time.monotonic() - start
+        time.sleep(2)
+    raise AssertionError(f"{service} not healthy after {timeout} s:\n{project.logs()}")
+
+
+def http(url: str, payload: dict | None = None, key: str | None = None,
+         timeout: float = 120) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(payload).encode() if payload is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def streamed_completion(base: str, key: str | None = None) -> str:
+    body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    status, raw = http(base + "/v1/completions", body, key)
+    assert status == 200, raw[:500]
+    text = ""
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices") or []:
+                text += choice.get("text") or ""
+    assert raw.decode().rstrip().endswith("data: [DONE]"), "stream did not end with [DONE]"
+    return text
+
+
+def greedy_ids(base: str, key: str | None = None) -> list[int]:
+    body = {"input_ids": PROMPT_IDS, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    status, raw = http(base + "/generate", body, key)
+    assert status == 200, raw[:500]
+    return [p[1] for p in json.loads(raw)["meta_info"]["output_token_logprobs"]]
+
+
+# ------------------------------------------------------------------ images
+@pytest.fixture(scope="module")
+def images(request) -> dict[str, str]:
+    """Every image the tests run, built (or found in the cache) once."""
+    v = versions()
+    start = time.monotonic()
+    base = sh([str(DOCKER / "standin" / "python-base.sh")], timeout=900).stdout.strip()
+    report(request, f"stand-in python base {base}: {time.monotonic() - start:.0f} s")
+    pypi = ["--build-arg", f"PYTHON_IMAGE={base}", "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]
+    seconds = build("cpu", CPU_IMAGE, *pypi)
+    report(request, f"docker/build.sh cpu ({CPU_IMAGE}): {seconds:.0f} s")
+    seconds = build("cpu", TORCH_SGLANG_IMAGE, *pypi, "--target", "torch-sglang")
+    report(request, f"torch-sglang stage ({TORCH_SGLANG_IMAGE}): {seconds:.0f} s")
+    return {"base": base, "cpu": CPU_IMAGE, "torch-sglang": TORCH_SGLANG_IMAGE,
+            "sglang": v["SGLANG_VERSION"]}
+
+
+# ------------------------------------------------------------------ CPU demo + load test
+@pytest.fixture(scope="module")
+def demo(images):
+    """The CPU demo profile, and beside it (started together: each start is minutes on 2
+    cores) the bootstrap venv's single-node TP=1 server with the entrypoint's demo flags."""
+    port = free_port()
+    project = Project("demo", {"FARSKIP_IMAGE": images["cpu"], "HTTP_PORT": str(port),
+                               "EXTRA_ARGS": FLOAT32, "API_KEY": "", "HTTP_HOST": ""},
+                      profiles=("cpu", "loadtest"))
+    project.down()
+    try:
+        with Server(DEMO_FLAGS) as venv:
+            project.run("up", "-d", "demo-cpu", timeout=300)
+            project.healthy_s = wait_healthy(project, "demo-cpu")
+            venv.wait_ready()
+            project.reference = {"text": streamed_completion(venv.url), "ids": greedy_ids(venv.url)}
+        project.url = f"http://127.0.0.1:{port}"
+        yield project
+    finally:
+        project.down()
+        assert project.leftovers() == ""
+
+
+@pytest.fixture(scope="module")
+def reference(demo) -> dict:
+    """Greedy text and ids of the bootstrap venv's single-node TP=1 server (float32)."""
+    return demo.reference
+
+
+def test_cpu_demo_serves_like_the_bootstrap_venv(request, demo, reference):
+    report(request, f"CPU demo healthy {demo.healthy_s:.0f} s after up")
+    status, raw = http(demo.url + "/farskip/info")
+    assert status == 200, raw
+    (rank,) = json.loads(raw)["ranks"]
+    assert rank["model_class"].endswith("FarSkipDeepseekV3ForCausalLM")
+    assert rank["mode"] == "overlap" and rank["converted_layers"]
+    # float32 on both sides, same checkpoint (built from seed 0 in the image and in the venv),
+    # same flags, same torch and SGLang: the greedy text must be identical, no tolerance.
+    assert streamed_completion(demo.url) == reference["text"]
+    assert greedy_ids(demo.url) == reference["ids"]
+
+
+def test_cpu_demo_log_is_free_of_known_cpu_noise(demo):
+    log = demo.run("logs", "--no-color", "demo-cpu").stdout
+    for noise in ("Ignore import error when loading sglang.srt.models.",
+                  "support AWQ currently", "support GGUF quantization currently"):
+        assert noise not in log
+    assert "CPU fixes applied" in log  # the log itself is there
+
+
+def test_loadtest_profile_against_the_demo(request, demo, images, tmp_path):
+    v = versions()
+    locust_version = v["LOCUST_IMAGE"].rsplit(":", 1)[1]
+    proc = docker_build(DOCKER / "standin" / "Dockerfile.locust", LOCUST_IMAGE,
+                        f"PYTHON_IMAGE={images['base']}", f"LOCUST_VERSION={locust_version}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = tmp_path / "loadtest"
+    out.mkdir()
+    env = {**demo.env, "LOCUST_IMAGE": LOCUST_IMAGE, "LOADTEST_DIR": str(out),
+           "LOCUST_USERS": "2", "LOCUST_SPAWN_RATE": "2", "LOCUST_RUN_TIME": "20s",
+           "LOCUST_INPUT_LEN": "16", "LOCUST_VOCAB_SIZE": "4096", "LOCUST_MAX_TOKENS": "8"}
+    project = Project("demo", env, profiles=("cpu", "loadtest"))
+    start = time.monotonic()
+    project.run("up", "-d", "loadtest", timeout=300)
+    cid = project.container("loadtest")
+    code = int(sh(["docker", "wait", cid], timeout=240).stdout.strip())
+    assert code == 0, project.run("logs", "--no-color", "loadtest").stdout[-3000:]
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    report(request, f"loadtest: {len(records)} requests in {time.monotonic() - start:.0f} s")
+    assert records
+    assert all(r["ok"] for r in records), [r for r in records if not r["ok"]][:3]
+    # ITL counts the gaps between streamed chunks; a chunk may carry two tokens.
+    assert all(r["output_tokens"] == NEW_TOKENS and r["ttft"] is not None
+               and 1 <= len(r["itl"]) <= NEW_TOKENS - 1 for r in records)
+
+
+def test_api_beyond_loopback_needs_a_key_or_the_opt_out(images):
+    project = Project("nokey", {"FARSKIP_IMAGE": images["cpu"], "HTTP_HOST": "0.0.0.0",
+                                "API_KEY": "", "HTTP_PORT": str(free_port())}, profiles=("cpu",))
+    try:
+        project.run("up", "-d", timeout=120)
+        cid = project.container("demo-cpu")
+        code = int(sh(["docker", "wait", cid], timeout=120).stdout.strip())
+        log = sh(["docker", "logs", cid]).stderr
+        errors = [line for line in log.splitlines() if line.startswith("error: ")]
+        assert code == 2 and len(errors) == 1, log
+        assert "API_KEY" in errors[0] and "FARSKIP_ALLOW_NO_API_KEY=1" in errors[0]
+    finally:
+        project.down()
+
+
+# ------------------------------------------------------------------ two nodes, two containers
+@pytest.fixture(scope="module")
+def one_host_network():
+    """A bridge network with a subnet of our choosing (static addresses need one)."""
+    name = f"{PREFIX}-one-host"
+    sh(["docker", "network", "rm", name], check=False)
+    for third in range(77, 97):
+        subnet = f"172.30.{third}.0/24"
+        if sh(["docker", "network", "create", "--subnet", subnet, name], check=False).returncode == 0:
+            break
+    else:
+        pytest.fail("no free 172.30.x.0/24 subnet for the two-node network")
+    yield name, subnet.rsplit(".", 1)[0]
+    sh(["docker", "network", "rm", name], check=False)
+
+
+def test_two_nodes_in_two_containers(request, images, demo, reference, one_host_network):
+    demo.down()  # its cores are the two nodes' now
+    network, prefix = one_host_network
+    addrs = [f"{prefix}.10", f"{prefix}.11"]
+    cores = os.cpu_count() or 1
+    nodes = []
+    for rank in (0, 1):
+        env = {"FARSKIP_IMAGE": images["cpu"], "ONE_HOST_NETWORK": network,
+               "NODE_ADDR": addrs[rank], "NODE_CPUS": str(rank % cores),
+               "NODE_MEMLOCK": str(resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]),
+               "NODE_NOFILE": str(resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
+               # The entrypoint's variables only (deploy/cpu-node<rank>.env holds the rest).
+               "MASTER_ADDR": addrs[0], "API_KEY": API_KEY, "DIST_TIMEOUT": DIST_TIMEOUT,
+               "EXTRA_ARGS": FLOAT32}
+        nodes.append(Project(f"node{rank}", env, env_files=(DEPLOY / f"cpu-node{rank}.env",),
+                             files=(ONE_HOST,)))
+    try:
+        for node in nodes:
+            node.down()
+            node.run("up", "-d", timeout=300)
+        healthy = wait_healthy(nodes[0], "farskip-cpu")
+        report(request, f"two nodes: node 0 healthy {healthy:.0f} s after up")
+        url = f"http://{addrs[0]}:30000"
+        # API key: SGLang's check, switched on by the entrypoint from API_KEY.
+        status, _ = http(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+        assert status == 401
+        status, _ = http(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1}, key="wrong")
+        assert status == 401
+        # TP=2/EP=2 across the two containers vs the single-node TP=1 reference, float32: the
+        # greedy ids must be the same (tests/test_parallel.py bounds the logprobs on loopback).
+        assert greedy_ids(url, key=API_KEY) == reference["ids"]
+        assert streamed_completion(url, key=API_KEY) == reference["text"]
+
+        node0, node1 = (node.container("farskip-cpu") for node in nodes)
+        killed = time.monotonic()
+        sh(["docker", "kill", node1])
+        code = int(sh(["docker", "wait", node0], timeout=KILL_BOUND_S + 60).stdout.strip())
+        took = time.monotonic() - killed
+        report(request, f"two nodes: node 0 exited {code} {took:.1f} s after docker kill of node 1 "
+                        f"(bound {KILL_BOUND_S} s)")
+        assert code != 0, nodes[0].logs()
+        assert took <= KILL_BOUND_S, nodes[0].logs()
+    finally:
+        for node in nodes:
+            node.down()
+    for node in nodes:
+        assert node.leftovers() == "", f"{node.name}: containers left after down"
+
+
+# ------------------------------------------------------------------ GPU Dockerfiles on stand-ins
+@pytest.mark.parametrize("platform", ["cuda", "rocm"])
+def test_gpu_image_builds_on_a_stand_in_base(request, images, platform):
+    standin = f"farskip-standin/sglang-{platform}:test"
+    proc = docker_build(DOCKER / "standin" / "Dockerfile.gpu-base", standin,
+                        f"TORCH_SGLANG_IMAGE={images['torch-sglang']}", f"PLATFORM={platform}",
+                        f"SGLANG_VERSION={images['sglang']}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    image = f"sglang-farskip-test:{platform}"
+    seconds = build(platform, image, "--build-arg", f"SGLANG_{platform.upper()}_IMAGE={standin}")
+    report(request, f"docker/build.sh {platform} on its stand-in: {seconds:.0f} s")
+    # The image's own entrypoint validates a two-node setting and prints the command.
+    proc = sh(["docker", "run", "--rm", "-e", "NODE_RANK=0", "-e", "MASTER_ADDR=127.0.0.1",
+               "-e", "NET_IFNAME=lo", "-e", "MODEL_PATH=demo", "-e", f"API_KEY={API_KEY}",
+               image, "--check"])
+    assert "-m sglang_farskip.launch_server" in proc.stdout
+    assert f"FARSKIP_PLATFORM={platform}" in proc.stdout
+    assert API_KEY not in proc.stdout + proc.stderr, "--check printed the API key"
+
+
+def test_gpu_image_refuses_another_sglang_version(images):
+    standin = "farskip-standin/sglang-cuda:wrong-sglang"
+    proc = docker_build(DOCKER / "standin" / "Dockerfile.gpu-base", standin,
+                        f"TORCH_SGLANG_IMAGE={images['torch-sglang']}", "PLATFORM=cuda",
+                        "SGLANG_VERSION=0.5.22")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = subprocess.run([str(DOCKER / "build.sh"), "cuda", "--force-rm",
+                           "--build-arg", f"SGLANG_CUDA_IMAGE={standin}"],
+                          capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+                          env={**os.environ, "FARSKIP_IMAGE": "sglang-farskip-test:cuda-wrong"})
+    assert proc.returncode != 0
+    want = (f"error: the base image has sglang 0.5.22, sglang-farskip needs {images['sglang']}: "
+            "fix the image tag in docker/versions.env")
+    assert want in proc.stdout + proc.stderr
