@@ -38,6 +38,7 @@ SBATCH = DEPLOY / "slurm" / "farskip.sbatch"
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_RDMA = DEPLOY / "compose.rdma.yaml"
 NODE_ENVS = [DEPLOY / "node0.env", DEPLOY / "node1.env"]
+CPU_NODE_ENVS = [DEPLOY / "cpu-node0.env", DEPLOY / "cpu-node1.env"]  # the two-node CPU deployment
 VERSIONS = DOCKER / "versions.env"
 LWS_SCHEMA = DEPLOY / "schema" / "leaderworkerset-v1.schema.json"
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
@@ -150,6 +151,8 @@ COMPOSE_CASES = {
                                 extra_env={"COMPOSE_PROFILES": "cuda,loadtest"}),
     "node1-rdma": dict(env_files=(VERSIONS, NODE_ENVS[1]), files=(COMPOSE, COMPOSE_RDMA)),
     "cpu-demo-loadtest": dict(env_files=(VERSIONS,), profiles=("cpu", "loadtest")),
+    "cpu-node0": dict(env_files=(VERSIONS, CPU_NODE_ENVS[0])),
+    "cpu-node1": dict(env_files=(VERSIONS, CPU_NODE_ENVS[1])),
 }
 
 
@@ -690,8 +693,9 @@ def test_env_file_lists_every_variable_with_the_defaults(env_file):
         assert not re.match(r"^[A-Z][A-Z0-9_]*=.*\s#", line), line
 
 
-def test_node_env_files_differ_only_in_node_rank():
-    a, b = (read_env_file(p) for p in NODE_ENVS)
+@pytest.mark.parametrize("pair", [NODE_ENVS, CPU_NODE_ENVS], ids=["gpu", "cpu"])
+def test_node_env_files_differ_only_in_node_rank(pair):
+    a, b = (read_env_file(p) for p in pair)
     for (one, other) in zip(a, b):
         assert {k: v for k, v in one.items() if k != "NODE_RANK"} == \
                {k: v for k, v in other.items() if k != "NODE_RANK"}
@@ -705,6 +709,11 @@ def test_compose_variables_are_documented_and_listed():
     documented |= set(doc_table("Variables read by deploy/entrypoint.sh"))
     assert used - documented == set()
     listed = set(versions())
+    for env_file in CPU_NODE_ENVS:
+        # The CPU nodes' files set only variables the entrypoint or compose reads.
+        active, _ = read_env_file(env_file)
+        assert set(active) <= set(entrypoint_vars()) | documented | {"COMPOSE_PROFILES"}, env_file
+        assert active["NODE_RANK"] == env_file.stem.removeprefix("cpu-node")
     for env_file in NODE_ENVS:
         active, commented = read_env_file(env_file)
         listed |= set(active) | set(commented)
