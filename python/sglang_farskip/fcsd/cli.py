@@ -64,8 +64,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=int, default=1000, help="held-out evaluation every N steps (default 1000)")
     g.add_argument("--eval-tokens", type=int, default=2**18, help="held-out tokens (last windows of DATA; default 2^18)")
     g.add_argument("--patience", type=int, default=20,
-                   help="stop after this many evaluations in a row whose held-out KL is worse than the best by more "
-                   "than --threshold (default 20, the paper's); 0 = never stop early")
+                   help="stop after this many evaluations in a row whose held-out KL (with --ce-weight W: "
+                   "(1-W) KL + W CE) is worse than the best by more than --threshold (default 20, the paper's); "
+                   "0 = never stop early. The output is the best evaluated student either way")
     g.add_argument("--threshold", type=float, default=0.02, help="relative degradation that counts (default 0.02)")
     g.add_argument("--save-every", type=int, default=1000, help="resumable checkpoint every N steps (default 1000)")
     g.add_argument("--resume", action="store_true", help=f"continue from OUT_DIR{STATE_SUFFIX}")

@@ -37,7 +37,7 @@ class Trainer:
             self.optimizer, self.warmup, self.steps, min_lr_rate=args.min_lr_ratio
         )
         self.last_eval = None
-        self.progress = {"step": 0, "elapsed_s": 0.0, "train_s": 0.0, "best_kl": math.inf, "best_step": -1, "bad_evals": 0,
+        self.progress = {"step": 0, "elapsed_s": 0.0, "train_s": 0.0, "best": math.inf, "best_step": -1, "bad_evals": 0,
                          "teacher_ppl": None, "stopped": ""}
         # One GPU without FSDP: fp32 master weights, bf16 compute (FSDP2's MixedPrecisionPolicy otherwise)
         cuda_single = rt.device.type == "cuda" and not rt.sharded
@@ -65,11 +65,13 @@ class Trainer:
                 sums += self.model(mine[lo : lo + self.args.micro_batch].to(self.rt.device), evaluate=True)
         self.model.student.train()
         s = dict(zip(EVAL_KEYS, self._all_sum(sums).tolist()))
+        kl, ce, w = s["kl"] / s["tokens"], s["ce_student"] / s["ce_tokens"], self.args.ce_weight
         return {
-            "kl": s["kl"] / s["tokens"],
+            "kl": kl,
             "top1": s["agree"] / s["tokens"],
-            "ppl": math.exp(s["ce_student"] / s["ce_tokens"]),
+            "ppl": math.exp(ce),
             "teacher_ppl": math.exp(s["ce_teacher"] / s["ce_tokens"]),
+            "objective": (1 - w) * kl + w * ce,  # the training loss on held-out data: KL for FCSD
         }
 
     # ---------------------------------------------------------------------------- checkpoints
@@ -140,18 +142,18 @@ class Trainer:
         return {"kl": totals[0].item(), "ce": totals[1].item(), "grad_norm": float(norm), "lr": lr}
 
     def _after_eval(self, step: int, metrics: dict) -> bool:
-        """Track the best held-out KL; True when early stopping fires."""
+        """Track the best held-out objective (KL unless --ce-weight); True when early stopping fires."""
         p, a = self.progress, self.args
         if p["teacher_ppl"] is None:
             p["teacher_ppl"] = metrics["teacher_ppl"]
-        if metrics["kl"] < p["best_kl"]:
-            p["best_kl"], p["best_step"] = metrics["kl"], step
+        if metrics["objective"] < p["best"]:
+            p["best"], p["best_step"] = metrics["objective"], step
             self._save("best", with_optimizer=False)
-        worse = metrics["kl"] > p["best_kl"] * (1 + a.threshold)
+        worse = metrics["objective"] > p["best"] * (1 + a.threshold)
         p["bad_evals"] = p["bad_evals"] + 1 if worse else 0
         if a.patience and p["bad_evals"] >= a.patience:
-            p["stopped"] = (f"early stop at step {step}: held-out KL worse than the best ({p['best_kl']:.4g} at step "
-                            f"{p['best_step']}) by > {a.threshold:.0%} for {a.patience} evaluations")
+            p["stopped"] = (f"early stop at step {step}: held-out objective worse than the best ({p['best']:.4g} at "
+                            f"step {p['best_step']}) by > {a.threshold:.0%} for {a.patience} evaluations")
             return True
         return False
 
@@ -188,7 +190,7 @@ class Trainer:
             step += 1
             p["step"] = step
             bar.update(1)
-            bar.set_postfix(kl=f"{out['kl']:.4f}", lr=f"{out['lr']:.2e}", best=f"{p['best_kl']:.4f}")
+            bar.set_postfix(kl=f"{out['kl']:.4f}", lr=f"{out['lr']:.2e}", best=f"{p['best']:.4f}")
             elapsed = p["elapsed_s"] + time.monotonic() - t0
             if step % a.log_every == 0 or step == self.steps:
                 now = time.monotonic()
