@@ -27,10 +27,11 @@ class Trainer:
     def __init__(self, args, distiller: Distiller, windows: Windows, rt: Runtime, state: Path):
         self.args, self.model, self.windows, self.rt, self.state = args, distiller, windows, rt, state
         self.steps = int(args.tokens // args.batch_tokens)
-        per_step = args.batch_tokens // args.seq_len
-        self.per_step = per_step
-        self.micro_steps = per_step // (rt.world * args.micro_batch)
+        self.per_step = args.batch_tokens // args.seq_len
         self.warmup = min(args.warmup_steps, self.steps)
+        if self.warmup < args.warmup_steps and rt.main:
+            print(f"note: --warmup-steps {args.warmup_steps} exceeds the {self.steps} steps of --tokens; "
+                  f"warming up over all {self.steps}", file=sys.stderr)
         params = [p for p in distiller.student.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
         self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
@@ -38,7 +39,7 @@ class Trainer:
         )
         self.last_eval = None
         self.progress = {"step": 0, "elapsed_s": 0.0, "train_s": 0.0, "best": math.inf, "best_step": -1, "bad_evals": 0,
-                         "teacher_ppl": None, "stopped": ""}
+                         "stopped": ""}
         # One GPU without FSDP: fp32 master weights, bf16 compute (FSDP2's MixedPrecisionPolicy otherwise)
         cuda_single = rt.device.type == "cuda" and not rt.sharded
         self.autocast = (lambda: torch.autocast("cuda", torch.bfloat16)) if cuda_single else contextlib.nullcontext
@@ -59,7 +60,7 @@ class Trainer:
         """Held-out KL(t||s) per token, top-1 agreement, student and teacher perplexity."""
         self.model.student.eval()
         sums = torch.zeros(len(EVAL_KEYS), dtype=torch.float64, device=self.rt.device)
-        mine = self.windows.eval[self.rt.rank :: self.rt.world]  # equal counts: Windows rounds up
+        mine = self.windows.eval[self.rt.rank :: self.rt.world]  # equal counts per rank: run.py rounds the held-out windows up
         for lo in range(0, mine.shape[0], self.args.micro_batch):
             with self.autocast():
                 sums += self.model(mine[lo : lo + self.args.micro_batch].to(self.rt.device), evaluate=True)
@@ -144,8 +145,6 @@ class Trainer:
     def _after_eval(self, step: int, metrics: dict) -> bool:
         """Track the best held-out objective (KL unless --ce-weight); True when early stopping fires."""
         p, a = self.progress, self.args
-        if p["teacher_ppl"] is None:
-            p["teacher_ppl"] = metrics["teacher_ppl"]
         if metrics["objective"] < p["best"]:
             p["best"], p["best_step"] = metrics["objective"], step
             self._save("best", with_optimizer=False)
