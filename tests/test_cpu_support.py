@@ -53,7 +53,7 @@ from sglang.srt.layers.moe import fused_moe_native
 from sglang.srt.layers.moe.topk import StandardTopKOutput
 import types
 
-attn = types.SimpleNamespace()
+attn = types.SimpleNamespace(layer_id=0)  # outside a server: no --farskip-cpu-attention, absorbed
 handler = AttentionBackendRegistry.get_handler("torch_native")
 assert handler(attn, None) == AttnForwardMethod.MLA, handler(attn, None)
 

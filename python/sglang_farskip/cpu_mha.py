@@ -31,7 +31,6 @@ the flag nothing is counted: that would be a file write per forward.
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import logging
 
@@ -44,17 +43,28 @@ CONFIG_KEY = "farskip_cpu_attention"  # reaches the workers in --json-model-over
 
 
 # ----------------------------------------------------------------- which method, and counting it
-@functools.cache
-def cpu_attention() -> str:
-    from sglang.srt.runtime_context import get_server_args
+_choice: str | None = None
 
-    overrides = get_server_args().json_model_override_args or "{}"
-    if isinstance(overrides, str):
-        overrides = json.loads(overrides)
-    choice = overrides.get(CONFIG_KEY)
-    if choice not in (None, *CHOICES):
-        raise ValueError(f"{CONFIG_KEY}={choice!r}: choose one of {', '.join(CHOICES)} (--farskip-cpu-attention)")
-    return choice or ""
+
+def cpu_attention() -> str:
+    """"absorbed", "mha", or "" when --farskip-cpu-attention was not given (read once per
+    process from the server arguments; outside a server process, "")."""
+    global _choice
+    if _choice is None:
+        from sglang.srt.runtime_context import get_server_args
+
+        try:
+            server_args = get_server_args()
+        except ValueError:  # "Global server args is not set yet": not a server process
+            return ""
+        overrides = server_args.json_model_override_args or "{}"
+        if isinstance(overrides, str):
+            overrides = json.loads(overrides)
+        choice = overrides.get(CONFIG_KEY)
+        if choice not in (None, *CHOICES):
+            raise ValueError(f"{CONFIG_KEY}={choice!r}: choose one of {', '.join(CHOICES)} (--farskip-cpu-attention)")
+        _choice = choice or ""
+    return _choice
 
 
 _evidence = {"attention_methods": collections.Counter(), "prefix_chunks": collections.Counter()}
