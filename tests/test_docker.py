@@ -47,6 +47,7 @@ from pathlib import Path
 
 import pytest
 
+from docker_images import BUILD_TIMEOUT_S, VERSIONS, build, ensure_images, sh, versions
 from serverutil import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,13 +55,9 @@ DOCKER = ROOT / "docker"
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
 ONE_HOST = Path(__file__).resolve().parent / "compose.one-host.yaml"
-VERSIONS = DOCKER / "versions.env"
 PREFIX = "farskip-test"  # compose projects and networks made here
-CPU_IMAGE = "sglang-farskip-test:cpu"
-TORCH_SGLANG_IMAGE = "farskip-standin/torch-sglang:test"
 LOCUST_IMAGE = "farskip-standin/locust:test"
 
-BUILD_TIMEOUT_S = 1800  # the cold CPU build downloads ~4 GB of torch; measured ~5-8 min here
 HEALTHY_TIMEOUT_S = 300  # a CPU start is ~1 min; health is polled every 15 s (compose.yaml)
 KILL_BOUND_S = 60  # node 0 exits within this of `docker kill` of node 1 (measured: see below)
 DIST_TIMEOUT = "60"  # the nodes' collective timeout here; the deployed default is 300 s
@@ -95,38 +92,11 @@ pytestmark = [pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
 
 
 # ------------------------------------------------------------------ helpers
-def sh(cmd: list[str], *, timeout: float = 120, env: dict | None = None,
-       check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def versions() -> dict[str, str]:
-    out = {}
-    for line in VERSIONS.read_text().splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.split("=", 1)
-            out[key] = value
-    return out
-
-
 def report(request, line: str) -> None:
     """One line in pytest's terminal output, captured or not (the numbers the README quotes)."""
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(f"\n[docker] {line}", end="", flush=True)
-
-
-def build(flavour: str, image: str, *args: str) -> float:
-    """docker/build.sh FLAVOUR, tagged IMAGE; seconds taken."""
-    start = time.monotonic()
-    sh([str(DOCKER / "build.sh"), flavour, *args], timeout=BUILD_TIMEOUT_S,
-       env={"FARSKIP_IMAGE": image})
-    return time.monotonic() - start
 
 
 def docker_build(dockerfile: Path, image: str, *build_args: str) -> subprocess.CompletedProcess:
@@ -238,18 +208,8 @@ def greedy_ids(base: str, key: str | None = None) -> list[int]:
 # ------------------------------------------------------------------ images
 @pytest.fixture(scope="module")
 def images(request) -> dict[str, str]:
-    """Every image the tests run, built (or found in the cache) once."""
-    v = versions()
-    start = time.monotonic()
-    base = sh([str(DOCKER / "standin" / "python-base.sh")], timeout=900).stdout.strip()
-    report(request, f"stand-in python base {base}: {time.monotonic() - start:.0f} s")
-    pypi = ["--build-arg", f"PYTHON_IMAGE={base}", "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]
-    seconds = build("cpu", CPU_IMAGE, *pypi)
-    report(request, f"docker/build.sh cpu ({CPU_IMAGE}): {seconds:.0f} s")
-    seconds = build("cpu", TORCH_SGLANG_IMAGE, *pypi, "--target", "torch-sglang")
-    report(request, f"torch-sglang stage ({TORCH_SGLANG_IMAGE}): {seconds:.0f} s")
-    return {"base": base, "cpu": CPU_IMAGE, "torch-sglang": TORCH_SGLANG_IMAGE,
-            "sglang": v["SGLANG_VERSION"]}
+    """Every image the tests run, built (or found in the cache) once; see docker_images.py."""
+    return ensure_images(lambda line: report(request, line))
 
 
 # ------------------------------------------------------------------ CPU demo + load test

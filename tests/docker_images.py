@@ -1,0 +1,78 @@
+"""The images tests/test_docker.py runs, built once: by that test's fixture, or ahead of time
+by .ci/run in the background (`python3 tests/docker_images.py`) while the rest of the suite runs
+(the cold build is mostly downloads, which overlap the CPU-bound tests). A lock file makes a
+second caller wait for the first, then find Docker's layer cache warm. Standard library only:
+.ci/run starts it before the test venv exists."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+VERSIONS = DOCKER / "versions.env"
+CPU_IMAGE = "sglang-farskip-test:cpu"
+TORCH_SGLANG_IMAGE = "farskip-standin/torch-sglang:test"
+BUILD_TIMEOUT_S = 1800  # the cold CPU build downloads ~4 GB of torch; measured ~5-8 min here
+LOCK = Path(tempfile.gettempdir()) / "sglang-farskip-test-images.lock"
+
+
+def sh(cmd: list[str], *, timeout: float = 120, env: dict | None = None,
+       check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for line in VERSIONS.read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            out[key] = value
+    return out
+
+
+def build(flavour: str, image: str, *args: str) -> float:
+    """docker/build.sh FLAVOUR, tagged IMAGE; seconds taken."""
+    start = time.monotonic()
+    sh([str(DOCKER / "build.sh"), flavour, *args], timeout=BUILD_TIMEOUT_S,
+       env={"FARSKIP_IMAGE": image})
+    return time.monotonic() - start
+
+
+def ensure_images(report=print) -> dict[str, str]:
+    """The stand-in Python base, the CPU image and its torch-sglang stage (the GPU stand-ins'
+    base); `report` gets one line per step with its time (near 0 s when cached)."""
+    with open(LOCK, "a+") as lock:
+        start = time.monotonic()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if time.monotonic() - start > 1:
+            report(f"waited {time.monotonic() - start:.0f} s for another build of the test images")
+        start = time.monotonic()
+        base = sh([str(DOCKER / "standin" / "python-base.sh")], timeout=900).stdout.strip()
+        report(f"stand-in python base {base}: {time.monotonic() - start:.0f} s")
+        pypi = ["--build-arg", f"PYTHON_IMAGE={base}", "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]
+        seconds = build("cpu", CPU_IMAGE, *pypi)
+        report(f"docker/build.sh cpu ({CPU_IMAGE}): {seconds:.0f} s")
+        seconds = build("cpu", TORCH_SGLANG_IMAGE, *pypi, "--target", "torch-sglang")
+        report(f"torch-sglang stage ({TORCH_SGLANG_IMAGE}): {seconds:.0f} s")
+    return {"base": base, "cpu": CPU_IMAGE, "torch-sglang": TORCH_SGLANG_IMAGE,
+            "sglang": versions()["SGLANG_VERSION"]}
+
+
+if __name__ == "__main__":
+    try:
+        ensure_images(lambda line: print(f"[docker prebuild] {line}", flush=True))
+    except Exception as e:  # noqa: BLE001 - the test's own build will retry and report
+        print(f"[docker prebuild] failed, tests/test_docker.py will build: {e}", flush=True)
+        sys.exit(1)
