@@ -45,13 +45,15 @@ class Plan:
     was_farskip: bool
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of argparse's usage block
-        self.exit(2, f"error: {message}: see `python -m sglang_farskip.convert --help`\n")
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, with one `error:` line (and exit 2) instead of its usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}: see `{self.prog} --help`\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineErrorParser(
         prog="python -m sglang_farskip.convert",
         description="Mark a DeepSeek-V3 Hugging Face checkpoint as FarSkip: DST gets a new "
         "config.json and symlinks to every other file of SRC.",

@@ -10,7 +10,14 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from ..convert import ConvertError, _check_architecture, _farskip_from_args, _num_layers, _read_config
+from ..convert import (
+    ConvertError,
+    OneLineErrorParser,
+    _check_architecture,
+    _farskip_from_args,
+    _num_layers,
+    _read_config,
+)
 from ..config import FarSkipConfig
 
 STATE_SUFFIX = ".fcsd-state"  # OUT_DIR + this: training state, metrics, resumable checkpoints
@@ -20,13 +27,8 @@ class FCSDError(Exception):
     """Bad input. The message names the problem and the fix."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of argparse's usage block
-        self.exit(2, f"error: {message}: see `python -m sglang_farskip.fcsd --help`\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineErrorParser(
         prog="python -m sglang_farskip.fcsd",
         description="FarSkip-Collective Self-Distillation: train a FarSkip copy of a DeepSeek-V3 checkpoint "
         "to match the original (forward KL at T=1 on the logits) and write it as a servable checkpoint. "
