@@ -13,15 +13,24 @@ side-stream  FarSkip's own NCCL communicator (`comm.nccl_all_reduce_`, one rank)
              captured at batch 1, 3 and 64 and replayed in shuffled order; eager and graph use
              interleaved on the one communicator and event ring. Bitwise against plain compute.
 breakable    SGLang's breakable CUDA graph (its default prefill graph on CUDA): launch, graph
-             break (as attention makes), wait. `join` (what the model does under a breakable
-             graph, audit A1) must replay bitwise equal to eager; `across` (the schedule before
-             the fix: waited in the next segment) is run in a subprocess and only reported.
+             break (as attention makes), wait. The capture is cut at every attention while the
+             routed sum is still in flight, and waiting for it after the attention means
+             waiting in the next segment, which CUDA refuses; so under a breakable graph the
+             model joins that sum before the attention. `join` (that schedule) must replay
+             bitwise equal to eager; `across` (waited in the next segment, the schedule the
+             model had before) runs in a process of its own, since it may leave the CUDA
+             context unusable, and is only reported.
 memory       Device memory NCCL keeps for the side communicator: taken by `warm_up` (which the
              model runs before SGLang sizes the KV pool), and nothing more at the first real
-             58.7 MB all-reduce (a 4096-token DeepSeek-V3 prefill) afterwards (audit A6).
+             58.7 MB all-reduce (a 4096-token DeepSeek-V3 prefill) afterwards. NCCL allocates
+             its buffers at a message size's first use; if that came at the first big prefill,
+             after SGLang had given the free memory to the KV pool, the prefill could run out.
 priority     Stream priority against DeepSeek-V3-shaped GEMMs: how long a small kernel on a
              normal- and on a high-priority side stream waits behind them, and how much the
-             GEMMs slow down (audit B4). PASS if high priority is not slower.
+             GEMMs slow down. The side stream has the highest priority so that its all-reduce
+             kernels are scheduled ahead of queued compute blocks instead of waiting for the
+             GEMMs they should overlap; this measures whether priority does that on this GPU.
+             PASS if high priority is not slower.
 server       SGLang end to end at TP=1 on a 3-layer DeepSeek-V3-shaped FP8-block model
              (hidden 7168, 256 experts, dummy weights): sync; overlap with the side stream forced
              at one rank (test-only config key, probe on); the same with --disable-cuda-graph;
@@ -154,8 +163,7 @@ SERVER_COMMON = [
     "--chunked-prefill-size", str(CHUNK), "--cuda-graph-bs-decode", "1", "4", "64",
     "--mem-fraction-static", "0.7",
 ]
-FORCE_SIDE = ["--farskip-gpu-overlap", "--json-model-override-args",
-              json.dumps({"farskip_force_side_stream": True})]
+FORCE_SIDE = ["--farskip-gpu-overlap", "--farskip-test-force-side-stream"]
 SERVER_VARIANTS = {
     # prefill graphs off in both: the launcher turns them off for GPU overlap by default.
     "sync": ["--farskip-mode", "sync", "--cuda-graph-backend-prefill", "disabled"],

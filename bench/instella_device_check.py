@@ -17,7 +17,7 @@ same weights:
            256 (its own environment variables), so each backend's MHA prefill path runs (the
            cached 600 in three chunks where the backend chunks), not only absorbed MLA. Which
            method ran is counted only on CPU (see cpu_mha.py); on GPU it follows upstream's
-           rules (README, "Which attention path runs where");
+           rules (docs/attention-paths.md);
   decode   16 greedy tokens at batch 1 and 3; the reference scores the server's own tokens
            (teacher forcing), so a bf16 near-tie that flips a token is not a failure.
 Tolerance LOGPROB_TOL = 0.15 nats: bf16 weights and activations over two layers move a

@@ -10,10 +10,10 @@
 # --check (or FARSKIP_DRY_RUN=1): validate and print the command, do not start anything.
 # Any other argument is passed to SGLang after the generated flags (a repeated flag wins).
 # A bad setting prints one `error: ...` line per problem and exits with status 2.
-# README.md ("Deploy on two nodes") documents every variable this script reads.
+# docs/deploy.md documents every variable this script reads.
 set -euo pipefail
 
-# Every variable this script reads from the environment. README.md ("Deploy on two nodes") documents each one,
+# Every variable this script reads from the environment. docs/deploy.md documents each one,
 # deploy/node0.env and deploy/node1.env list each one, deploy/compose.yaml passes each one;
 # tests/test_deploy_static.py checks all three against this list.
 FARSKIP_ENV_VARS=(

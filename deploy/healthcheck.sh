@@ -8,7 +8,7 @@
 # whose node 0 is gone shows as unhealthy before its distributed timeout ends it.
 set -euo pipefail
 
-# The variables read here, all documented with deploy/entrypoint.sh's in README.md ("Deploy on two nodes").
+# The variables read here, all documented with deploy/entrypoint.sh's in docs/deploy.md.
 FARSKIP_HEALTH_VARS=(NODE_RANK HTTP_PORT MASTER_ADDR MASTER_PORT FARSKIP_PYTHON)
 
 rank="${NODE_RANK:-0}"

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sglang_farskip.comm import Communicator, Handle, OverlapProfiler, SideStreamAllReduce, _GpuTiming
+from sglang_farskip.comm import Communicator, Handle, SideStreamAllReduce
+from sglang_farskip.profiler import GpuTiming, OverlapProfiler
 
 from serverutil import free_port
 
@@ -157,7 +158,7 @@ class _FakeGpuEvent:
 
 
 def _gpu_timing(start, end, reached):
-    timing = object.__new__(_GpuTiming)
+    timing = object.__new__(GpuTiming)
     timing.start, timing.end, timing.reached = (_FakeGpuEvent(t) for t in (start, end, reached))
     return timing
 

@@ -99,7 +99,7 @@ def _bad_json(tmp_path: Path) -> Path:
 BAD_INPUTS = [
     ("missing-src", lambda tmp, good: tmp / "nope", [], ["does not exist"]),
     ("no-config", lambda tmp, good: _no_config(tmp), [], ["no config.json"]),
-    ("bad-json", lambda tmp, good: _bad_json(tmp), [], ["cannot parse"]),
+    ("bad-json", lambda tmp, good: _bad_json(tmp), [], ["not valid JSON"]),
     ("llama", lambda tmp, good: _llama(tmp), [], ["LlamaForCausalLM", "only defined for DeepSeek-V3"]),
     ("inverted-range", None, ["--start-layer", "3", "--end-layer", "1"], ["empty layer range", "--end-layer"]),
     ("start-beyond", None, ["--start-layer", "4"], ["beyond the model's last layer 3", "--start-layer"]),

@@ -8,20 +8,17 @@ A handle is a value: it is returned, passed along, and waited exactly once (a se
 a schedule bug and raises). Until wait() returns, the caller must neither read nor write the
 tensor it passed in (every backend may reduce it in place).
 
-Backends, chosen once per communicator:
+Backends, chosen once per communicator (`parallel.build_communicator` decides which):
 - identity (world size 1): the "sum" is the input.
 - blocking: the group's own all-reduce inside start_all_reduce (on GPU SGLang's
   GroupCoordinator picks custom AR / pynccl / NCCL). FarSkip's `sync` mode.
 - comm thread (CPU, gloo): one dedicated thread runs the group's blocking all-reduce for
-  every launch, strictly in launch order; wait() blocks on that launch's future. Why not
-  `all_reduce(async_op=True)`: gloo may run two async collectives at once, and on a
-  bandwidth-bound link the routed sum then shares the wire with the attention-lane sum that
-  the next layer needs first (a first measurement said so, but its emulated link was flawed;
-  quiet re-measurements favour async_op, which however left a node hanging on a cut link:
-  see bench/README.md). One
-  thread in program order is what the GPU side stream does too. Only FarSkip's collectives
-  are in flight between the embedding and the final norm, so no other collective on the
-  group can interleave with the thread's.
+  every launch, strictly in launch order; wait() blocks on that launch's future. One thread in
+  program order is what the GPU side stream does too, so the routed sum never shares the wire
+  with the attention-lane sum the next layer needs first; gloo's `async_op=True` may run two
+  at once, and left a node hanging on a cut link (bench/README.md has the measurements). Only
+  FarSkip's collectives are in flight between the embedding and the final norm, so no other
+  collective on the group can interleave with the thread's.
 - side stream (CUDA/HIP): see `SideStreamAllReduce`. Stream/event semantics:
     start: the side stream waits on the current stream (fork: the partial was produced
            there), the all-reduce is enqueued on the side stream, and one of a fixed ring of
@@ -34,125 +31,26 @@ Backends, chosen once per communicator:
   the same order and the communicator never runs concurrently with itself. The side stream
   has high priority, so its all-reduce kernels are scheduled ahead of queued compute blocks
   (a long GEMM would otherwise hold the SMs and turn overlap into serialisation).
-  `nccl_all_reduce_` builds the NCCL communicator it drives (SGLang's ctypes NCCL wrapper, a
-  communicator of FarSkip's own, connected and warmed up with the largest message at start-up).
 
 Exceptions: a launched collective may still be reading or writing its tensor. `drain()` makes
 the caller wait for every launched collective (the model calls it when a forward raises), so
 no collective outlives the forward that launched it and the next forward starts clean.
 
-Overlap measurement (`OverlapProfiler`, off unless attached): per (phase, layer, lane), the
-collective's duration (start to completion) and how long the caller was blocked in wait(),
-giving the fraction of communication hidden = 1 - blocked / duration. Completion of an async
-collective is observed by polling at each `mark_compute()` (after every sub-block of compute)
-and at wait(), not by a completion callback: a Python callback on gloo's thread must take the
-GIL from the computing thread and doubled decode step time here. So a duration is exact when
-the caller had to block, and otherwise an upper bound by at most one sub-block; the hidden
-fraction is correspondingly an upper bound. It also counts compute steps between a launch and
-its wait. With no profiler attached the only cost is one `is None` test per call.
-On a GPU the host only enqueues, so host clocks say nothing: there each collective is timed by
-CUDA events instead (start and end on the stream that runs it, and one on the waiting stream
-where it reaches the join), resolved at `flush()`: duration = end - start, blocked =
-max(0, end - reached); a blocking collective stalls its stream for all of it. Python records
-the events, so graph replays would go unrecorded: on a GPU the launcher refuses the profiler
-unless CUDA graphs are off.
+Timing (`profiler.OverlapProfiler`) is off unless attached; with none attached the only cost
+is one `is None` test per call.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import os
-import threading
 import time
-from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-
-class _Record:
-    __slots__ = ("key", "t_start", "t_done", "steps_at_start", "blocked_in_start")
-
-    def __init__(self, key, steps_at_start):
-        self.key = key
-        self.t_start = time.perf_counter()
-        self.t_done = None
-        self.steps_at_start = steps_at_start
-        self.blocked_in_start = 0.0  # a blocking collective blocks the caller at launch
-
-
-class OverlapProfiler:
-    """Accumulates per-(phase, layer, lane) timings of collectives and of waits on them."""
-
-    def __init__(self, out_path: Optional[str] = None):
-        self.out_path = out_path  # where flush() writes the cumulative snapshot (JSON)
-        self.phase = "prefill"
-        self.compute_steps = 0
-        self._inflight = []  # (record, Work) of async collectives not yet seen complete
-        self._lock = threading.Lock()
-        self._gpu_pending = []  # (key, steps, _GpuTiming) joined but not yet read
-        self.stats = defaultdict(lambda: {"count": 0, "comm_s": 0.0, "blocked_s": 0.0,
-                                          "min_steps_between": None})
-
-    def mark_compute(self) -> None:
-        """Called by the model after each sub-block of compute (attention, MLP)."""
-        self.compute_steps += 1
-        if self._inflight:
-            now = time.perf_counter()
-            still = []
-            for rec, work in self._inflight:
-                if work.is_completed():
-                    rec.t_done = now
-                else:
-                    still.append((rec, work))
-            self._inflight = still
-
-    def track(self, rec: _Record, work) -> None:
-        self._inflight.append((rec, work))
-
-    def on_start(self, lane: str, layer: int) -> _Record:
-        return _Record((self.phase, layer, lane), self.compute_steps)
-
-    def on_wait(self, rec: _Record, blocked_s: float, t_end: float) -> None:
-        done = rec.t_done if rec.t_done is not None else t_end
-        self._add(rec.key, max(0.0, done - rec.t_start), blocked_s + rec.blocked_in_start,
-                  self.compute_steps - rec.steps_at_start)
-
-    def on_gpu_wait(self, rec: _Record, events: "_GpuTiming") -> None:
-        """A GPU collective joined: its events are read at the next flush()."""
-        self._gpu_pending.append((rec.key, self.compute_steps - rec.steps_at_start, events))
-
-    def _add(self, key, comm_s: float, blocked_s: float, steps: int) -> None:
-        with self._lock:
-            s = self.stats[key]
-            s["count"] += 1
-            s["comm_s"] += comm_s
-            s["blocked_s"] += blocked_s
-            if s["min_steps_between"] is None or steps < s["min_steps_between"]:
-                s["min_steps_between"] = steps
-
-    def resolve_gpu(self) -> None:
-        pending, self._gpu_pending = self._gpu_pending, []
-        for key, steps, ev in pending:
-            comm_ms, blocked_ms = ev.elapsed_ms()
-            self._add(key, comm_ms / 1e3, blocked_ms / 1e3, steps)
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {f"{p}/{layer}/{lane}": dict(v) for (p, layer, lane), v in self.stats.items()}
-
-    def flush(self) -> None:
-        """Write the cumulative snapshot (after every forward: a reader subtracts two)."""
-        self.resolve_gpu()
-        if self.out_path is None:
-            return
-        tmp = f"{self.out_path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.snapshot(), f)
-        os.replace(tmp, self.out_path)
+from sglang_farskip.profiler import GpuTiming, OverlapProfiler
 
 
 class _CommThread:
@@ -192,24 +90,6 @@ class _Pending:
         self.result = self._future.result()  # re-raises a failed collective here
 
 
-class _GpuTiming:
-    """CUDA events of one GPU collective: `start`/`end` on the stream that runs it, `reached`
-    on the stream that joins it, recorded just before the join."""
-
-    __slots__ = ("start", "end", "reached")
-
-    def __init__(self):
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.end = torch.cuda.Event(enable_timing=True)
-        self.reached = None
-
-    def elapsed_ms(self) -> tuple[float, float]:
-        """(duration, time the joining stream stalled for it), both in ms."""
-        self.end.synchronize()
-        self.reached.synchronize()
-        return self.start.elapsed_time(self.end), max(0.0, self.reached.elapsed_time(self.end))
-
-
 class Handle:
     """A started all-reduce. `wait()` returns the reduced tensor, once."""
 
@@ -220,7 +100,7 @@ class Handle:
         self._tensor = tensor
         self._work = work  # _Pending launch on the comm thread (CPU async)
         self._event = event  # torch.cuda.Event recorded on the side stream
-        self._timing = timing  # _GpuTiming when a profiler is attached on a GPU
+        self._timing = timing  # GpuTiming when a profiler is attached on a GPU
         self._waited = False
         self._joined = False
         self._record = record
@@ -284,7 +164,7 @@ class SideStreamAllReduce:
         self.events = [torch.cuda.Event() for _ in range(ring)]
         self._next = 0
 
-    def start(self, tensor: torch.Tensor, timing: Optional[_GpuTiming] = None) -> torch.cuda.Event:
+    def start(self, tensor: torch.Tensor, timing: Optional[GpuTiming] = None) -> torch.cuda.Event:
         if not tensor.is_contiguous():
             # NCCL reduces data_ptr() .. data_ptr() + numel(): a strided view would mix in
             # bytes that are not the tensor's.
@@ -427,7 +307,7 @@ class Communicator:
     def start_all_reduce(self, tensor: torch.Tensor, *, lane: str = "", layer: int = -1) -> Handle:
         prof = self.profiler
         record = prof.on_start(lane, layer) if prof is not None else None
-        timing = _GpuTiming() if record is not None and tensor.is_cuda else None
+        timing = GpuTiming() if record is not None and tensor.is_cuda else None
         if self.asynchronous and self.side_stream is not None:
             event = self.side_stream.start(tensor, timing)
             return Handle(tensor, event=event, record=record, profiler=prof, timing=timing)

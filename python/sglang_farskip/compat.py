@@ -87,13 +87,13 @@ def _dense_mlp_replicated(args: Any) -> bool:
     return getattr(args, "moe_dense_tp_size", None) == 1 and (getattr(args, "tp_size", 1) or 1) > 1
 
 
-def uses_side_stream(args: Any, config: Any) -> bool:
+def uses_side_stream(args: Any, options: Any) -> bool:
     """Whether `overlap` runs on the GPU side stream, given the resolved server args and the
-    model config carrying the launcher's `farskip_*` keys (the model decides the same way)."""
+    runtime options (`options.RuntimeOptions`); `parallel.build_communicator` decides the same."""
     return (
         str(getattr(args, "device", "cuda")) != "cpu"
-        and (args.tp_size > 1 or bool(getattr(config, "farskip_force_side_stream", False)))
-        and bool(getattr(config, "farskip_gpu_overlap", False))
+        and (args.tp_size > 1 or options.force_side_stream)
+        and options.gpu_overlap
     )
 
 

@@ -12,8 +12,8 @@ Wiring of a converted layer k (see shared DESIGN.md section 1):
     MLP       reads h[k-1]            unless attn_only  (skips this layer's attention)
 An unconverted layer is a plain DeepSeek-V3 layer on the full residual h.
 
-The serving mode (`--farskip-mode`) is not a checkpoint property; SGLang workers receive it as
-the config key `farskip_mode` (the launcher adds it through --json-model-override-args).
+The serving mode (`--farskip-mode`) is not a checkpoint property: it is a runtime option
+(`options.RuntimeOptions`), decided by the launcher.
 """
 
 from __future__ import annotations
@@ -46,14 +46,15 @@ class FarSkipMode(str, enum.Enum):
             ) from None
 
 
-def _get(cfg: Any, key: str, default: Any) -> Any:
+def config_value(cfg: Any, key: str, default: Any = None) -> Any:
+    """`cfg[key]` of a config.json dict, or the attribute of a transformers PretrainedConfig."""
     if isinstance(cfg, Mapping):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
 
 
 def _as_bool(cfg: Any, key: str, default: bool) -> bool:
-    value = _get(cfg, key, default)
+    value = config_value(cfg, key, default)
     if value is None:
         return default
     if not isinstance(value, bool):
@@ -64,7 +65,7 @@ def _as_bool(cfg: Any, key: str, default: bool) -> bool:
 
 
 def _as_int(cfg: Any, key: str, default: int) -> int:
-    value = _get(cfg, key, default)
+    value = config_value(cfg, key, default)
     if value is None:
         return default
     # AMD's remote config class (trust_remote_code) defaults farskip_end_idx to the float 1e4.
@@ -156,8 +157,8 @@ class FarSkipConfig:
 def is_moe_layer(hf_config: Any, layer_id: int) -> bool:
     """DeepSeek-V3's rule: dense for the first `first_k_dense_replace` layers, then MoE every
     `moe_layer_freq` layers (and only if the config has routed experts)."""
-    if not _get(hf_config, "n_routed_experts", None):
+    if not config_value(hf_config, "n_routed_experts", None):
         return False
-    first_dense = _get(hf_config, "first_k_dense_replace", 0) or 0
-    freq = _get(hf_config, "moe_layer_freq", 1) or 1
+    first_dense = config_value(hf_config, "first_k_dense_replace", 0) or 0
+    freq = config_value(hf_config, "moe_layer_freq", 1) or 1
     return layer_id >= first_dense and layer_id % freq == 0

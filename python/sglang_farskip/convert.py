@@ -25,9 +25,9 @@ import tempfile
 from pathlib import Path
 
 from sglang_farskip.config import DEFAULT_END_IDX, FarSkipConfig, FarSkipConfigError
-from sglang_farskip.instella import FARSKIP_ARCHS
+from sglang_farskip import checkpoint
 
-CONFIG = "config.json"
+CONFIG = checkpoint.CONFIG
 
 
 class ConvertError(Exception):
@@ -70,42 +70,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_config(src: Path) -> dict:
-    if not src.exists():
-        raise ConvertError(f"source checkpoint {src} does not exist: pass the directory of a DeepSeek-V3 checkpoint")
-    if not src.is_dir():
-        raise ConvertError(f"source {src} is not a directory: pass the checkpoint directory (the one with config.json)")
-    path = src / CONFIG
-    if not path.is_file():
-        raise ConvertError(f"{src} has no {CONFIG}: pass a Hugging Face checkpoint directory (config.json + weights)")
+def read_source_config(src: Path) -> tuple[dict, int]:
+    """SRC's config.json and its number of layers, if SRC is a checkpoint FarSkip is defined for."""
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConvertError(f"cannot parse {path}: {e}; fix or restore the file") from None
-    if not isinstance(cfg, dict):
-        raise ConvertError(f"{path} is not a JSON object: fix or restore the file")
-    return cfg
+        cfg = checkpoint.read_config(src, missing_hint="pass the directory of a DeepSeek-V3 checkpoint")
+        checkpoint.check_architecture(cfg, src, fix="convert a checkpoint")
+        return cfg, checkpoint.num_layers(cfg, src)
+    except checkpoint.CheckpointError as e:
+        raise ConvertError(str(e)) from None
 
 
-def _check_architecture(cfg: dict, src: Path) -> None:
-    archs = cfg.get("architectures")
-    if not isinstance(archs, list) or not set(archs) & set(FARSKIP_ARCHS):
-        found = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "no architectures key"
-        raise ConvertError(
-            f"{src} is not a DeepSeek-V3 checkpoint (config.json architectures: {found}); FarSkip is only "
-            f"defined for DeepSeek-V3 here: convert a checkpoint whose architectures list "
-            f"{' or '.join(FARSKIP_ARCHS)}"
-        )
-
-
-def _num_layers(cfg: dict, src: Path) -> int:
-    n = cfg.get("num_hidden_layers")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConvertError(f"{src}/{CONFIG} has num_hidden_layers={n!r}: expected a positive integer; fix config.json")
-    return n
-
-
-def _farskip_from_args(args: argparse.Namespace, num_layers: int) -> FarSkipConfig:
+def farskip_from_args(args: argparse.Namespace, num_layers: int) -> FarSkipConfig:
     # Checked here with the flag names; FarSkipConfig re-checks with the config key names.
     start = args.start_layer
     end = DEFAULT_END_IDX if args.end_layer is None else args.end_layer
@@ -158,10 +133,8 @@ def _check_dst(src: Path, dst: Path, force: bool) -> None:
 def plan(args: argparse.Namespace) -> Plan:
     """Validate everything; raise ConvertError on the first problem. Writes nothing."""
     src, dst = args.src, args.dst
-    cfg = _read_config(src)
-    _check_architecture(cfg, src)
-    num_layers = _num_layers(cfg, src)
-    farskip = _farskip_from_args(args, num_layers)
+    cfg, num_layers = read_source_config(src)
+    farskip = farskip_from_args(args, num_layers)
     _check_dst(src, dst, args.force)
     was_farskip = cfg.get("farskip") is True
     new_cfg = dict(cfg)

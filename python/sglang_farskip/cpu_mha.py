@@ -31,40 +31,19 @@ the flag nothing is counted: that would be a file write per forward.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 
 import torch
 
-logger = logging.getLogger("sglang_farskip.cpu")
+from sglang_farskip import options
 
-CHOICES = ("absorbed", "mha")
-CONFIG_KEY = "farskip_cpu_attention"  # reaches the workers in --json-model-override-args
+logger = logging.getLogger("sglang_farskip.cpu")
 
 
 # ----------------------------------------------------------------- which method, and counting it
-_choice: str | None = None
-
-
 def cpu_attention() -> str:
-    """"absorbed", "mha", or "" when --farskip-cpu-attention was not given (read once per
-    process from the server arguments; outside a server process, "")."""
-    global _choice
-    if _choice is None:
-        from sglang.srt.runtime_context import get_server_args
-
-        try:
-            server_args = get_server_args()
-        except ValueError:  # "Global server args is not set yet": not a server process
-            return ""
-        overrides = server_args.json_model_override_args or "{}"
-        if isinstance(overrides, str):
-            overrides = json.loads(overrides)
-        choice = overrides.get(CONFIG_KEY)
-        if choice not in (None, *CHOICES):
-            raise ValueError(f"{CONFIG_KEY}={choice!r}: choose one of {', '.join(CHOICES)} (--farskip-cpu-attention)")
-        _choice = choice or ""
-    return _choice
+    """"absorbed", "mha", or "" when --farskip-cpu-attention was not given (absorbed, uncounted)."""
+    return options.current().cpu_attention or ""
 
 
 _evidence = {"attention_methods": collections.Counter(), "prefix_chunks": collections.Counter()}

@@ -41,15 +41,20 @@ def stand_in_kernels() -> bool:
     return bool(getattr(sgl_kernel, "IS_FARSKIP_CPU_STAND_IN", False))
 
 
-def cpu_environment(ranks_on_this_node: int, cores: int) -> dict[str, str]:
-    """Environment SGLang's CPU engine needs; callers apply it with setdefault semantics."""
-    env = {
+def cpu_base_environment() -> dict[str, str]:
+    """What SGLang's CPU engine needs before any SGLang module is imported (they read it then)."""
+    return {
         "SGLANG_USE_CPU_ENGINE": "1",
         # torch's CUDA build bundles NCCL; SGLang then builds a pynccl communicator on CPU
         # tensors and fails. A path that does not exist makes it skip pynccl.
         "SGLANG_NCCL_SO_PATH": "/nonexistent/sglang-farskip-no-nccl-on-cpu/libnccl.so",
         "PYTHONWARNINGS": _noise_pythonwarnings(),
     }
+
+
+def cpu_environment(ranks_on_this_node: int, cores: int) -> dict[str, str]:
+    """Environment SGLang's CPU engine needs; callers apply it with setdefault semantics."""
+    env = cpu_base_environment()
     # One core set per rank, "0|1" style; SGLang asserts it is set when TP > 1 and pins
     # each rank's OpenMP threads to its set. Ranks beyond the cores share the last one.
     per_rank = max(1, cores // max(1, ranks_on_this_node))

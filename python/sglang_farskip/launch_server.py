@@ -5,7 +5,8 @@ Every SGLang flag passes through. What this adds to `python -m sglang.launch_ser
   (`--demo deepseek-v3`, the default, or `--demo instella`);
 - no GPU, or --device cpu: the CPU environment and defaults SGLang needs, set here;
 - the checkpoint and flags are checked before anything starts: clear errors, exit code 2;
-- FarSkip mode reaches every worker as the config key `farskip_mode`;
+- the FarSkip runtime options (mode, GPU overlap, ...) are validated once and reach every
+  worker as one environment variable (`options.py`);
 - after start-up, each rank's report of what it really built is checked, logged and served at
   GET /farskip/info; a server whose workers did not load the plugin is stopped.
 """
@@ -23,8 +24,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sglang_farskip import instella
+from sglang_farskip import checkpoint
 from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, FarSkipMode
+from sglang_farskip.options import RuntimeOptions
 
 logger = logging.getLogger("sglang_farskip.launch")
 
@@ -35,19 +37,41 @@ class LaunchError(Exception):
     """A problem with the user's input: printed as one `error:` line, exit code 2."""
 
 
-# ---------------------------------------------------------------- argv helpers
-def _flag_value(argv: list[str], *names: str) -> str | None:
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                return argv[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
+DEMO_MODEL_NAMES = {"deepseek-v3": "farskip-demo", "instella": "farskip-demo-instella"}
+_UNSET = object()
 
 
-def _has_flag(argv: list[str], *names: str) -> bool:
-    return any(a == n or a.startswith(n + "=") for a in argv for n in names)
+# ---------------------------------------------------------------- the command line
+class GivenArgs:
+    """The SGLang flags the user gave, as SGLang's own parser reads them (aliases such as
+    --tp, `--flag=value`, abbreviations and --config files resolved), without its defaults:
+    the launcher adds a default of its own only where the user gave nothing."""
+
+    def __init__(self, argv: list[str]):
+        from sglang.srt.server_args import ServerArgs
+
+        parser = argparse.ArgumentParser(prog="sglang_farskip.launch_server")
+        ServerArgs.add_cli_args(parser)
+        if "--config" in argv:  # as prepare_server_args does
+            from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+            argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+        self._dest = {}
+        for action in parser._actions:
+            for option in action.option_strings:
+                self._dest[option] = action.dest
+            action.default, action.required = _UNSET, False
+        try:
+            namespace = parser.parse_args(argv)
+        except SystemExit as e:  # argparse already printed the problem
+            raise LaunchError(f"invalid SGLang arguments (exit {e.code}); see the message above") from None
+        self._values = {k: v for k, v in vars(namespace).items() if v is not _UNSET}
+
+    def __contains__(self, flag: str) -> bool:
+        return self._dest[flag] in self._values
+
+    def get(self, flag: str, default=None):
+        return self._values.get(self._dest[flag], default)
 
 
 def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -64,35 +88,23 @@ def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--farskip-cpu-attention", choices=["absorbed", "mha"], default=None,
                         help="CPU only: MLA prefill as absorbed MLA (default) or, as on GPUs, MHA over "
                         "decompressed K/V (chunked on a long cached prefix); decode stays absorbed")
-    parser.add_argument("--demo", choices=["deepseek-v3", "instella"], default=None,
+    parser.add_argument("--demo", choices=list(DEMO_MODEL_NAMES), default=None,
                         help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
+    # Test only (bench/device_check.py): the GPU side stream even at TP=1, with the fork/join probe.
+    parser.add_argument("--farskip-test-force-side-stream", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_known_args(argv)
 
 
 # ---------------------------------------------------------------- checks before launch
 def read_checkpoint_config(model_path: str) -> dict:
-    path = Path(model_path)
-    if not path.exists():
-        raise LaunchError(
-            f"model path {model_path!r} does not exist: pass a local checkpoint directory "
-            "(download it first), or omit --model-path to serve the built-in demo model"
+    try:
+        return checkpoint.read_config(
+            model_path,
+            missing_hint="pass a local checkpoint directory (download it first), or omit --model-path "
+            "to serve the built-in demo model",
         )
-    if not path.is_dir():
-        raise LaunchError(f"model path {model_path!r} is not a directory: pass the checkpoint directory")
-    config_file = path / "config.json"
-    try:
-        text = config_file.read_text()
-    except FileNotFoundError:
-        raise LaunchError(f"{config_file} is missing: {model_path!r} is not a Hugging Face checkpoint") from None
-    except OSError as e:
-        raise LaunchError(f"cannot read {config_file}: {e.strerror}; fix its permissions") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise LaunchError(f"{config_file} is not valid JSON ({e}); fix or re-download it") from None
-    if not isinstance(config, dict):
-        raise LaunchError(f"{config_file} must hold a JSON object")
-    return config
+    except checkpoint.CheckpointError as e:
+        raise LaunchError(str(e)) from None
 
 
 def check_farskip(config: dict, model_path: str) -> FarSkipConfig:
@@ -101,18 +113,18 @@ def check_farskip(config: dict, model_path: str) -> FarSkipConfig:
     except FarSkipConfigError as e:
         raise LaunchError(f"{model_path}/config.json: {e}") from None
     try:
-        problems = instella.gate_problems(config, instella.checkpoint_gate_shapes(model_path))
-    except ValueError as e:
+        problems = checkpoint.gate_problems(config, checkpoint.checkpoint_gate_shapes(model_path))
+    except checkpoint.CheckpointError as e:
         raise LaunchError(f"{model_path}/config.json: {e}") from None
     if problems:
         raise LaunchError(f"{model_path}: {problems[0]}")
     if not farskip.enabled:
         return farskip
     archs = config.get("architectures") or []
-    if instella.architecture(config) is None:
+    if checkpoint.architecture(config) is None:
         raise LaunchError(
             f"{model_path}/config.json sets \"farskip\": true but the architecture is {archs}: "
-            f"FarSkip is implemented for {' and '.join(instella.FARSKIP_ARCHS)} only; remove the "
+            f"FarSkip is implemented for {' and '.join(checkpoint.FARSKIP_ARCHS)} only; remove the "
             "farskip keys or use one of those checkpoints"
         )
     try:
@@ -128,34 +140,54 @@ def _gpu_present() -> bool:
     return torch.cuda.is_available()
 
 
-def _cpu_setup(argv: list[str]) -> list[str]:
-    from sglang_farskip.cpu_support import cpu_default_args, cpu_environment
+def _cpu_engine_env_first(gpu: bool) -> None:
+    """SGLang's modules decide at import whether this is a CPU run (SGLANG_USE_CPU_ENGINE), and
+    reading the command line with SGLang's parser imports them: without a GPU the variable is
+    set before that; a CPU run asked for with --device cpu on a GPU machine re-executes (main)."""
+    from sglang_farskip.cpu_support import cpu_base_environment
 
-    tp = int(_flag_value(argv, "--tp-size", "--tp", "--tensor-parallel-size") or 1)
-    nnodes = int(_flag_value(argv, "--nnodes") or 1)
-    env = cpu_environment(ranks_on_this_node=max(1, tp // nnodes), cores=os.cpu_count() or 1)
+    if not gpu:
+        _setdefault_env(cpu_base_environment())
+
+
+def _setdefault_env(env: dict[str, str]) -> None:
     for key, value in env.items():
         if key in os.environ and os.environ[key] != value:
             logger.info("keeping %s=%s from the environment", key, os.environ[key])
         os.environ.setdefault(key, value)
+
+
+def _device(given: GivenArgs, gpu: bool) -> str:
+    from sglang_farskip.cpu_support import is_cpu_run
+
+    return given.get("--device") or ("cpu" if not gpu or is_cpu_run() else "cuda")
+
+
+def _cpu_setup(given: GivenArgs) -> list[str]:
+    """The per-rank CPU environment, and the CPU defaults for flags the user did not give."""
+    from sglang_farskip.cpu_support import cpu_default_args, cpu_environment
+
+    tp, nnodes = given.get("--tp-size", 1), given.get("--nnodes", 1)
+    _setdefault_env(cpu_environment(ranks_on_this_node=max(1, tp // nnodes), cores=os.cpu_count() or 1))
+    extra = []
     for flag, value in cpu_default_args():
-        if not _has_flag(argv, flag):
-            argv = argv + [flag, value]
-    return argv
+        if flag not in given:
+            extra += [flag, value]
+    return extra
 
 
-def gpu_overlap_graph_args(argv: list[str]) -> list[str]:
+def gpu_overlap_graph_args(given: GivenArgs) -> list[str]:
     """With the GPU side stream, prefill runs without CUDA graphs unless the user chose a
     prefill graph backend: SGLang's default on CUDA (breakable graphs) cuts the capture at every
     attention, where the routed sum would still be in flight, so the model then joins that sum
-    before attention and it overlaps nothing (README, "GPU overlap")."""
-    if _has_flag(argv, "--cuda-graph-backend-prefill", "--disable-cuda-graph", "--disable-prefill-cuda-graph"):
+    before attention and it overlaps nothing (docs/gpu-overlap.md)."""
+    if any(f in given for f in ("--cuda-graph-backend-prefill", "--disable-cuda-graph", "--disable-prefill-cuda-graph")):
         logger.info("GPU overlap: keeping the prefill CUDA-graph setting given; under a breakable "
                     "graph the routed all-reduce is joined before each attention (less overlap)")
-        return argv
+        return []
     logger.info("GPU overlap: added --cuda-graph-backend-prefill disabled (prefill runs eagerly, so "
                 "both all-reduce lanes overlap compute); pass --cuda-graph-backend-prefill to choose")
-    return argv + ["--cuda-graph-backend-prefill", "disabled"]
+    return ["--cuda-graph-backend-prefill", "disabled"]
 
 
 def _check_stand_in() -> None:
@@ -234,46 +266,67 @@ def _add_info_route(status_dir: str, launch_info: dict) -> None:
 def prepare(argv: list[str]) -> tuple[object, dict]:
     """Everything before the server starts; raises LaunchError on bad input."""
     own, argv = _split_own_flags(argv)
+    gpu = _gpu_present()
+    _cpu_engine_env_first(gpu)
+    given = GivenArgs(argv)
+    on_cpu = _device(given, gpu) == "cpu"
+    from sglang_farskip.cpu_support import is_cpu_run
+
+    if on_cpu != is_cpu_run():
+        raise LaunchError(
+            f"--device {given.get('--device')} but SGLANG_USE_CPU_ENGINE={os.environ.get('SGLANG_USE_CPU_ENGINE')!r}: "
+            "unset SGLANG_USE_CPU_ENGINE for a GPU run, or drop --device"
+        )
     # deploy/entrypoint.sh hands API_KEY over here rather than as --api-key: argv shows in ps.
-    if os.environ.get("FARSKIP_API_KEY") and not _has_flag(argv, "--api-key"):
-        argv = argv + ["--api-key", os.environ["FARSKIP_API_KEY"]]
-    demo = not _has_flag(argv, "--model-path", "--model")
+    # One `--api-key=KEY` word: a key that starts with "-" would otherwise read as a flag.
+    if os.environ.get("FARSKIP_API_KEY") and "--api-key" not in given:
+        argv = argv + [f"--api-key={os.environ['FARSKIP_API_KEY']}"]
+    demo = "--model-path" not in given
     if own.demo and not demo:
         raise LaunchError("--demo picks a built-in model and --model-path a checkpoint: pass one of them")
-    on_cpu = (_flag_value(argv, "--device") or ("cuda" if _gpu_present() else "cpu")) == "cpu"
     if demo:
         from sglang_farskip.demo_model import ensure_demo_checkpoint
 
-        path = ensure_demo_checkpoint(kind=own.demo or "deepseek-v3")
+        kind = own.demo or "deepseek-v3"
+        path = ensure_demo_checkpoint(kind=kind)
         logger.info("no --model-path: serving the built-in tiny FarSkip model from %s", path)
         argv = ["--model-path", str(path)] + argv
-    model_path = _flag_value(argv, "--model-path", "--model")
+        if "--served-model-name" not in given:  # the OpenAI model id clients send
+            argv += ["--served-model-name", DEMO_MODEL_NAMES[kind]]
+    model_path = str(path) if demo else given.get("--model-path")
     config = read_checkpoint_config(model_path)
     farskip = check_farskip(config, model_path)
-    mode = FarSkipMode.parse(own.farskip_mode or FarSkipMode.OVERLAP.value)
     if own.farskip_mode and not farskip.enabled:
         logger.warning("--farskip-mode %s has no effect: %s is not a FarSkip checkpoint",
                        own.farskip_mode, model_path)
     if own.farskip_cpu_attention and not on_cpu:
         raise LaunchError("--farskip-cpu-attention applies to CPU runs only; on a GPU the attention "
                           "backend (--attention-backend) chooses the MLA prefill path: remove the flag")
+    if own.farskip_profile_dir:
+        os.makedirs(own.farskip_profile_dir, exist_ok=True)
+    opts = RuntimeOptions(
+        mode=FarSkipMode.parse(own.farskip_mode or FarSkipMode.OVERLAP.value),
+        gpu_overlap=own.farskip_gpu_overlap,
+        side_max_ctas=own.farskip_side_max_ctas,
+        profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None,
+        cpu_attention=own.farskip_cpu_attention,
+        force_side_stream=own.farskip_test_force_side_stream,
+    )
     if on_cpu:
-        argv = _cpu_setup(argv)
+        argv = argv + _cpu_setup(given)
         _check_stand_in()
-    elif own.farskip_gpu_overlap and farskip.enabled and mode is FarSkipMode.OVERLAP:
-        argv = gpu_overlap_graph_args(argv)
-    if own.farskip_side_max_ctas is not None and own.farskip_side_max_ctas < 1:
-        raise LaunchError(f"--farskip-side-max-ctas {own.farskip_side_max_ctas}: give a positive CTA count")
+    elif opts.gpu_overlap and farskip.enabled and opts.mode is FarSkipMode.OVERLAP:
+        argv = argv + gpu_overlap_graph_args(given)
 
     status_dir = tempfile.mkdtemp(prefix="sglang-farskip-status-")
     os.environ[ENV_STATUS] = status_dir
 
-    # Imported only now: SGLang reads the CPU environment at import time.
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_farskip.compat import unsupported, uses_side_stream
+    from sglang_farskip.options import publish
     from sglang_farskip.plugin import unregistered
 
     load_plugins()
@@ -286,19 +339,6 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         server_args = prepare_server_args(argv)
     except SystemExit as e:  # argparse already printed the problem
         raise LaunchError(f"invalid SGLang arguments (exit {e.code}); see the message above") from None
-    overrides = server_args.json_model_override_args
-    if isinstance(overrides, str):
-        overrides = json.loads(overrides or "{}")
-    # SGLang keeps this flag as a JSON string and parses it in every process.
-    farskip_keys = {"farskip_mode": mode.value, "farskip_gpu_overlap": own.farskip_gpu_overlap}
-    if own.farskip_side_max_ctas is not None:
-        farskip_keys["farskip_side_max_ctas"] = own.farskip_side_max_ctas
-    if own.farskip_cpu_attention:
-        farskip_keys["farskip_cpu_attention"] = own.farskip_cpu_attention
-    if own.farskip_profile_dir:
-        os.makedirs(own.farskip_profile_dir, exist_ok=True)
-        farskip_keys["farskip_profile_dir"] = os.path.abspath(own.farskip_profile_dir)
-    server_args.json_model_override_args = json.dumps({**(overrides or {}), **farskip_keys})
     try:
         server_args.resolve_once()
     except (ValueError, AssertionError) as e:
@@ -306,25 +346,27 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     resolved = resolving_view(server_args)
     _check_mla_layout(server_args, config)
     prefill_backend = getattr(resolved, "prefill_attention_backend", None) or resolved.attention_backend
-    if own.farskip_cpu_attention == "mha" and prefill_backend != "torch_native":
+    if opts.cpu_attention == "mha" and prefill_backend != "torch_native":
         raise LaunchError(
             f"--farskip-cpu-attention mha runs with the torch_native attention backend only, not "
             f"{prefill_backend!r}: drop --attention-backend/--prefill-attention-backend, or the flag"
         )
-    if farskip.enabled and mode is not FarSkipMode.OFF:
-        overlap = mode is FarSkipMode.OVERLAP
-        keys = argparse.Namespace(**{**(overrides or {}), **farskip_keys})
+    if farskip.enabled and opts.mode is not FarSkipMode.OFF:
+        overlap = opts.mode is FarSkipMode.OVERLAP
         problems = unsupported(resolved, overlap=overlap,
-                               side_stream=overlap and uses_side_stream(resolved, keys),
-                               gpu_profiling=bool(own.farskip_profile_dir) and not on_cpu)
+                               side_stream=overlap and uses_side_stream(resolved, opts),
+                               gpu_profiling=bool(opts.profile_dir) and not on_cpu)
         if problems:
             raise LaunchError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
+    publish(opts)  # every process SGLang starts from here on inherits them
     launch_info = {
         "model_path": model_path,
         "demo": demo,
+        "served_model_name": resolved.served_model_name,
         "device": "cpu" if on_cpu else resolved.device,
         "farskip": farskip.to_hf_keys(),
-        "requested_mode": mode.value if farskip.enabled else "off",
+        "requested_mode": opts.mode.value if farskip.enabled else "off",
+        "options": json.loads(opts.to_json()),
         "tp_size": resolved.tp_size,
         "ep_size": resolved.ep_size,
         "nnodes": resolved.nnodes,
@@ -337,7 +379,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
 def _check_mla_layout(server_args, config: dict) -> None:
     """SGLang picks the KV-cache layout from the architecture name; for Instella our plugin's
     hook must have made it MLA, or the cache would be laid out per head and the model garbage."""
-    if instella.architecture(config) != instella.INSTELLA_ARCH:
+    if checkpoint.architecture(config) != checkpoint.INSTELLA_ARCH:
         return
     from sglang.srt.arg_groups.model_override_base import model_config_of
     from sglang.srt.configs.model_config import AttentionArch
@@ -345,18 +387,34 @@ def _check_mla_layout(server_args, config: dict) -> None:
     model_config = model_config_of(server_args)
     if model_config.attention_arch != AttentionArch.MLA:
         raise LaunchError(
-            f"SGLang derived a {model_config.attention_arch} KV-cache layout for {instella.INSTELLA_ARCH}: "
+            f"SGLang derived a {model_config.attention_arch} KV-cache layout for {checkpoint.INSTELLA_ARCH}: "
             "the sglang_farskip MLA hook is not active (see the log above for 'Failed to apply hooks'); "
             "reinstall with scripts/bootstrap.sh"
         )
-    logger.info("%s: MLA KV cache, latent %d + rope %d", instella.INSTELLA_ARCH,
+    logger.info("%s: MLA KV cache, latent %d + rope %d", checkpoint.INSTELLA_ARCH,
                 model_config.kv_lora_rank, model_config.qk_rope_head_dim)
+
+
+def _reexec_for_cpu_device(argv: list[str]) -> None:
+    """`--device cpu` on a machine with a GPU: start again with SGLANG_USE_CPU_ENGINE=1 set
+    before SGLang is imported (GivenArgs explains why)."""
+    from sglang_farskip.cpu_support import cpu_base_environment, is_cpu_run
+
+    if is_cpu_run() or not _gpu_present():
+        return
+    own, rest = _split_own_flags(argv)
+    if _device(GivenArgs(rest), gpu=True) == "cpu":
+        logger.info("--device cpu on a machine with a GPU: restarting the launcher as a CPU run")
+        env = {**os.environ, **cpu_base_environment()}
+        os.execve(sys.executable, [sys.executable, "-m", "sglang_farskip.launch_server", *argv], env)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        server_args, info = prepare(list(sys.argv[1:] if argv is None else argv))
+        _reexec_for_cpu_device(argv)
+        server_args, info = prepare(argv)
     except (LaunchError, FarSkipConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ import logging
 logger = logging.getLogger("sglang_farskip.plugin")
 
 from sglang_farskip.cpu_support import quiet_known_cpu_noise
-from sglang_farskip.instella import DEEPSEEK_V3_ARCH, INSTELLA_ARCH
+from sglang_farskip.checkpoint import DEEPSEEK_V3_ARCH, INSTELLA_ARCH
 
 # Before SGLang's imports that print it (SGLang imports this module, then its own, then calls it).
 quiet_known_cpu_noise()

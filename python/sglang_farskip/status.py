@@ -43,3 +43,30 @@ def read_rank_statuses(directory: str | Path) -> list[dict]:
     for path in sorted(Path(directory).glob("rank*.json")):
         reports.append(json.loads(path.read_text()))
     return sorted(reports, key=lambda r: r["tp_rank"])
+
+
+def model_report(model, farskip, num_layers: int, requested, mode, comm_backend: str, extra: dict) -> dict:
+    """What one rank's model really built: the class, the wiring, the mode that runs."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_farskip import SGLANG_VERSION
+
+    active = mode.value != "off"
+    parallel = get_parallel()
+    return {
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "inner_model_class": f"{type(model.model).__module__}.{type(model.model).__qualname__}",
+        "farskip": farskip.to_hf_keys(),
+        "requested_mode": requested.value,
+        "mode": mode.value,
+        "converted_layers": farskip.converted_layers(num_layers) if active else [],
+        "num_layers": num_layers,
+        "description": farskip.describe(num_layers) if active else "stock DeepSeek-V3 wiring",
+        "comm_backend": comm_backend,
+        "tp_rank": parallel.tp_rank,
+        "tp_size": parallel.tp_size,
+        "moe_ep_size": parallel.moe_ep_size,
+        "pid": os.getpid(),
+        "sglang_version": SGLANG_VERSION,
+        **extra,
+    }

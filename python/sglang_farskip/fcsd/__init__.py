@@ -7,6 +7,6 @@ DeepSeek-V3 checkpoint into a FarSkip one that this project serves.
 
 The student is the teacher's checkpoint with FarSkip wiring (student.py), every parameter
 trained; the teacher is the same checkpoint, frozen, run on the fly; the loss is token-level
-forward KL(teacher || student) at temperature 1 (loss.py). See `--help` and README "Converting
+forward KL(teacher || student) at temperature 1 (loss.py). See `--help` and docs/fcsd.md "Converting
 a model".
 """

@@ -10,14 +10,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from ..convert import (
-    ConvertError,
-    OneLineErrorParser,
-    _check_architecture,
-    _farskip_from_args,
-    _num_layers,
-    _read_config,
-)
+from ..convert import ConvertError, OneLineErrorParser, farskip_from_args, read_source_config
 from ..config import FarSkipConfig
 
 STATE_SUFFIX = ".fcsd-state"  # OUT_DIR + this: training state, metrics, resumable checkpoints
@@ -79,9 +72,7 @@ def parser() -> argparse.ArgumentParser:
 def check_teacher(path: Path) -> dict:
     """The teacher's config.json, if it is a stock, unquantised DeepSeek-V3 checkpoint."""
     try:
-        cfg = _read_config(path)
-        _check_architecture(cfg, path)
-        _num_layers(cfg, path)
+        cfg, _ = read_source_config(path)
     except ConvertError as e:
         raise FCSDError(str(e).replace("convert a checkpoint", "pass a teacher")) from None
     if cfg.get("farskip") is True:
@@ -120,7 +111,7 @@ def validate(args: argparse.Namespace) -> tuple[dict, FarSkipConfig]:
     """Raise FCSDError on the first bad input; returns (teacher config, FarSkip config)."""
     cfg = check_teacher(args.teacher)
     try:
-        farskip = _farskip_from_args(args, cfg["num_hidden_layers"])
+        farskip = farskip_from_args(args, cfg["num_hidden_layers"])
     except ConvertError as e:
         raise FCSDError(str(e)) from None
     if args.out.exists() or args.out.is_symlink():

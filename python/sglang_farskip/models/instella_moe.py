@@ -31,7 +31,7 @@ from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
 
 from sglang_farskip.config import FarSkipConfigError
-from sglang_farskip.instella import GATE_KEY, gate_problems, gated_attention
+from sglang_farskip.checkpoint import GATE_KEY, gate_problems, gated_attention
 from sglang_farskip.models.deepseek_v3 import FarSkipDeepseekV3ForCausalLM
 
 logger = logging.getLogger("sglang_farskip.model")
@@ -118,7 +118,7 @@ class InstellaMoEForCausalLM(FarSkipDeepseekV3ForCausalLM):
         return {"gated_attention": self.gated}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], is_nextn: bool = False):
-        """Upstream's loader, with the gate renamed, and the rules of sglang_farskip.instella
+        """Upstream's loader, with the gate renamed, and the rules of sglang_farskip.checkpoint
         enforced: every gate present with its shape, and no checkpoint tensor skipped."""
         gate_shapes: dict[int, tuple[int, ...]] = {}
 

@@ -1,10 +1,14 @@
-"""Instella-MoE checkpoint rules: which architectures we serve, and the attention gate's tensors.
+"""Checkpoint rules, free of SGLang imports: which architectures we serve, reading config.json,
+and the attention gate's tensors (checked from the safetensors headers).
+
+The launcher, `convert`, `fcsd` and the plugin use these; the model's weight loader applies the
+very same gate rules while it streams the tensors, so a checkpoint refused here is refused there.
 
 AMD's Instella-MoE (`InstellaMoEForCausalLM`, `model_type: deepseek_v3`) is DeepSeek-V3 MLA + MoE
 with one addition, `"gated_attention": true`: per layer a `self_attn.gate_proj` [heads*v_head, H]
-whose sigmoid scales the attention output before o_proj. The rules live here, free of SGLang
-imports, so that the launcher can check a checkpoint's file headers before anything starts and
-the model's weight loader applies the very same rules while it streams the tensors.
+whose sigmoid scales the attention output before o_proj.
+
+The FarSkip keys themselves (`farskip`, `farskip_start_idx`, ...) are read by `config.FarSkipConfig`.
 """
 
 from __future__ import annotations
@@ -14,41 +18,84 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
+from sglang_farskip.config import config_value
+
 DEEPSEEK_V3_ARCH = "DeepseekV3ForCausalLM"
 INSTELLA_ARCH = "InstellaMoEForCausalLM"
 FARSKIP_ARCHS = (DEEPSEEK_V3_ARCH, INSTELLA_ARCH)  # what sglang_farskip registers with SGLang
+CONFIG = "config.json"
 
 GATE_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.gate_proj\.weight$")
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used. The message names the problem and the fix."""
+
+
+def read_config(path: str | Path, missing_hint: str) -> dict:
+    """config.json of the checkpoint directory `path`; `missing_hint` says what to pass instead
+    when `path` does not exist."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist: {missing_hint}")
+    if not path.is_dir():
+        raise CheckpointError(f"{str(path)!r} is not a directory: pass the checkpoint directory (the one with {CONFIG})")
+    file = path / CONFIG
+    if not file.exists():
+        raise CheckpointError(f"{path} has no {CONFIG}: pass a Hugging Face checkpoint directory ({CONFIG} + weights)")
+    try:
+        cfg = json.loads(file.read_text())
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file}: {e.strerror}; fix its permissions") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e}): fix or re-download it") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{file} is not a JSON object: fix or re-download it")
+    return cfg
+
+
+def check_architecture(cfg: dict, path: str | Path, fix: str) -> None:
+    """`cfg` must name an architecture we serve; `fix` says which checkpoint to pass instead."""
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or not set(archs) & set(FARSKIP_ARCHS):
+        found = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "no architectures key"
+        raise CheckpointError(
+            f"{path} is not a DeepSeek-V3 checkpoint (config.json architectures: {found}); FarSkip is only "
+            f"defined for DeepSeek-V3 here: {fix} whose architectures list {' or '.join(FARSKIP_ARCHS)}"
+        )
+
+
+def num_layers(cfg: dict, path: str | Path) -> int:
+    n = cfg.get("num_hidden_layers")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise CheckpointError(f"{path}/{CONFIG} has num_hidden_layers={n!r}: expected a positive integer; fix {CONFIG}")
+    return n
 
 
 def architecture(cfg: Any) -> str | None:
     """The first of config.json's architectures that we serve, else None."""
-    archs = _get(cfg, "architectures") or []
+    archs = config_value(cfg, "architectures") or []
     return next((a for a in archs if a in FARSKIP_ARCHS), None)
 
 
 def gated_attention(cfg: Any) -> bool:
-    value = _get(cfg, "gated_attention", False)
+    value = config_value(cfg, "gated_attention", False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ValueError(f"config.json key 'gated_attention' must be true or false, got {value!r}: fix config.json")
+        raise CheckpointError(f"config.json key 'gated_attention' must be true or false, got {value!r}: fix config.json")
     return value
 
 
 def gate_shape(cfg: Any) -> tuple[int, int]:
     """[heads * v_head_dim, hidden_size]: one gate per head and value channel, head-major."""
-    return (_get(cfg, "num_attention_heads") * _get(cfg, "v_head_dim"), _get(cfg, "hidden_size"))
+    return (config_value(cfg, "num_attention_heads") * config_value(cfg, "v_head_dim"), config_value(cfg, "hidden_size"))
 
 
 def gate_problems(cfg: Any, shapes: Mapping[int, tuple[int, ...]]) -> list[str]:
     """What is wrong with a checkpoint's gate tensors ({layer: shape}) for this config.json;
     each problem names the fix. Empty when the checkpoint can be served."""
-    num_layers = _get(cfg, "num_hidden_layers")
+    num_layers = config_value(cfg, "num_hidden_layers")
     arch = architecture(cfg)
     if not gated_attention(cfg):
         if shapes:
@@ -60,7 +107,7 @@ def gate_problems(cfg: Any, shapes: Mapping[int, tuple[int, ...]]) -> list[str]:
         return []
     if arch != INSTELLA_ARCH:
         return [
-            f"config.json sets \"gated_attention\": true but the architecture is {arch or _get(cfg, 'architectures')}: "
+            f"config.json sets \"gated_attention\": true but the architecture is {arch or config_value(cfg, 'architectures')}: "
             f"the attention gate is implemented for {INSTELLA_ARCH} only; set architectures to "
             f"[\"{INSTELLA_ARCH}\"]"
         ]

@@ -1,0 +1,87 @@
+"""Runtime options: what the launcher decided, the same in every process SGLang starts.
+
+A checkpoint says what the model *is* (`config.FarSkipConfig`); these options say how this
+server runs it. The launcher is their only writer: it validates them once and publishes them as
+JSON in one environment variable, which SGLang's spawned scheduler, TP and detokenizer
+processes inherit. Every reader (the model, the CPU attention, the settings checks) calls
+`current()`, which parses and validates the variable once per process.
+
+A process that SGLang started without our launcher (`python -m sglang.launch_server` with the
+plugin installed) finds no variable and gets the defaults: FarSkip `overlap`, CPU overlap only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+from sglang_farskip.config import FarSkipConfigError, FarSkipMode
+
+ENV = "SGLANG_FARSKIP_OPTIONS"
+CPU_ATTENTION_CHOICES = ("absorbed", "mha")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    mode: FarSkipMode = FarSkipMode.OVERLAP  # --farskip-mode
+    gpu_overlap: bool = False  # --farskip-gpu-overlap: the side-stream all-reduce on a GPU
+    side_max_ctas: Optional[int] = None  # --farskip-side-max-ctas: NCCL maxCTAs of that all-reduce
+    profile_dir: Optional[str] = None  # --farskip-profile-dir: absolute, made by the launcher
+    cpu_attention: Optional[str] = None  # --farskip-cpu-attention: None = absorbed, uncounted
+    # Test only (bench/device_check.py): the side stream even at TP=1, with the fork/join probe.
+    force_side_stream: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", FarSkipMode.parse(self.mode))
+        for name in ("gpu_overlap", "force_side_stream"):
+            if not isinstance(getattr(self, name), bool):
+                raise FarSkipConfigError(f"runtime option {name}={getattr(self, name)!r}: must be true or false")
+        ctas = self.side_max_ctas
+        if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
+            raise FarSkipConfigError(f"--farskip-side-max-ctas {ctas}: give a positive CTA count")
+        if self.cpu_attention not in (None, *CPU_ATTENTION_CHOICES):
+            raise FarSkipConfigError(
+                f"--farskip-cpu-attention {self.cpu_attention!r}: choose one of {', '.join(CPU_ATTENTION_CHOICES)}"
+            )
+        if self.profile_dir is not None and not os.path.isabs(self.profile_dir):
+            # Workers may run in another directory than the launcher.
+            raise FarSkipConfigError(f"profile directory {self.profile_dir!r} must be an absolute path")
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "mode": self.mode.value}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RuntimeOptions":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise FarSkipConfigError(f"{ENV} is not valid JSON ({e}): start the server with sglang_farskip.launch_server") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(raw, dict) or set(raw) - known:
+            extra = sorted(set(raw) - known) if isinstance(raw, dict) else raw
+            raise FarSkipConfigError(
+                f"{ENV} holds unknown options {extra}: it was written by another sglang_farskip version; "
+                "start the server with this version's launcher"
+            )
+        return cls(**raw)
+
+
+_current: Optional[RuntimeOptions] = None
+
+
+def current() -> RuntimeOptions:
+    """This process's options (parsed and validated on first use)."""
+    global _current
+    if _current is None:
+        text = os.environ.get(ENV)
+        _current = RuntimeOptions.from_json(text) if text else RuntimeOptions()
+    return _current
+
+
+def publish(options: RuntimeOptions) -> None:
+    """Launcher only: make `options` this process's and every later child's."""
+    global _current
+    os.environ[ENV] = options.to_json()
+    _current = options

@@ -1,0 +1,130 @@
+"""FarSkip's parallel set-up inside SGLang: which group reduces, which communicator runs, checks.
+
+The model file holds the math; this module turns SGLang's process groups and the runtime
+options into the one `comm.Communicator` the forward is handed:
+- `check_server_args`: SGLang settings FarSkip cannot run (rules in `compat.py`), before any
+  weight is allocated;
+- `reduction_group`: the one group both lanes reduce over (FarSkip sums the attention and
+  shared-expert partials in one collective, which is only valid over the same ranks);
+- `check_layers`: what SGLang built agrees with the wiring (MoE vs dense, shared experts apart);
+- `build_communicator`: identity, blocking, the gloo comm thread, or the GPU side stream,
+  and the mode that really runs (it can fall back to `sync`, and says so);
+- `gpu_side_stream`: FarSkip's own NCCL/RCCL communicator on a high-priority stream, warmed up
+  with the largest message before SGLang sizes the KV pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from sglang_farskip.comm import Communicator, SideStreamAllReduce, fork_join_probe, nccl_all_reduce_
+from sglang_farskip.compat import unsupported, uses_side_stream
+from sglang_farskip.config import FarSkipConfigError, FarSkipMode
+from sglang_farskip.options import RuntimeOptions
+from sglang_farskip.profiler import OverlapProfiler
+
+logger = logging.getLogger("sglang_farskip.parallel")
+
+
+def check_server_args(options: RuntimeOptions) -> None:
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.runtime_context import get_server_args
+
+    args = resolving_view(get_server_args())
+    overlap = options.mode is FarSkipMode.OVERLAP
+    problems = unsupported(
+        args, overlap=overlap,
+        side_stream=overlap and uses_side_stream(args, options),
+        gpu_profiling=bool(options.profile_dir) and str(args.device) != "cpu",
+    )
+    if problems:
+        raise FarSkipConfigError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
+
+
+def reduction_group(parallel):
+    """The TP group, if attention and MoE both reduce over all of it."""
+    from sglang.srt.layers.moe.utils import post_experts_reduction_group
+
+    group = parallel.tp_group
+    for name, other in (
+        ("attention TP", parallel.attn_tp_group),
+        ("MoE output", post_experts_reduction_group()),
+    ):
+        if other.world_size != group.world_size:
+            raise FarSkipConfigError(
+                f"FarSkip needs the {name} reduction over the whole TP group "
+                f"({other.world_size} != {group.world_size} ranks): use --ep-size equal to "
+                f"--tp-size or 1, and no --moe-dense-tp-size"
+            )
+    return group
+
+
+def check_layers(layers, wiring) -> None:
+    from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
+
+    for k, (layer, w) in enumerate(zip(layers, wiring)):
+        if w.is_moe != isinstance(layer.mlp, DeepseekV2MoE):
+            raise FarSkipConfigError(f"layer {k}: config and SGLang disagree on MoE vs dense")
+        if w.is_moe and layer.mlp.num_fused_shared_experts:
+            raise FarSkipConfigError(
+                f"layer {k}: shared experts are fused into the routed kernel; FarSkip needs them "
+                "separate: pass --disable-shared-experts-fusion"
+            )
+        if w.is_moe and getattr(layer.mlp, "_shared_expert_tp1", False):
+            raise FarSkipConfigError(
+                f"layer {k}: replicated (TP1) shared experts would be summed tp_size times on "
+                "FarSkip's attention lane: unset SGLANG_SHARED_EXPERT_TP1"
+            )
+
+
+def build_communicator(group, options: RuntimeOptions, hidden_size: int, tp_rank: int
+                       ) -> tuple[Communicator, FarSkipMode]:
+    """The communicator for `options.mode` on this device, and the mode that really runs."""
+    side_stream = None
+    force_side = options.force_side_stream
+    asynchronous = options.mode is FarSkipMode.OVERLAP and (group.world_size > 1 or force_side)
+    if asynchronous and (force_side or not Communicator.supports_cpu_async(group)):
+        if options.gpu_overlap:
+            side_stream = gpu_side_stream(group, options, hidden_size)
+        else:
+            logger.warning(
+                "FarSkip overlap on %s: the side-stream all-reduce has not been validated on "
+                "hardware yet, so the FarSkip wiring runs with blocking all-reduce (sync mode). "
+                "Opt in with --farskip-gpu-overlap.", group.device,
+            )
+            asynchronous = False
+    comm = Communicator(group, asynchronous=asynchronous, side_stream=side_stream)
+    if options.profile_dir:
+        comm.profiler = OverlapProfiler(os.path.join(options.profile_dir, f"profile-rank{tp_rank}.json"))
+    overlapping = options.mode is FarSkipMode.OVERLAP and (asynchronous or group.world_size == 1)
+    return comm, FarSkipMode.OVERLAP if overlapping else FarSkipMode.SYNC
+
+
+def gpu_side_stream(group, options: RuntimeOptions, hidden_size: int) -> SideStreamAllReduce:
+    """FarSkip's own NCCL/RCCL communicator on a high-priority side stream, connected and
+    warmed up with the largest message now, before SGLang sizes the KV pool."""
+    from sglang.srt.runtime_context import get_server_args
+
+    max_ctas = options.side_max_ctas
+    all_reduce_ = nccl_all_reduce_(group.cpu_group, group.device, max_ctas=max_ctas)
+    if options.force_side_stream:
+        # Test only (bench/device_check.py): at TP=1 the sum is the identity, so a missing
+        # fork or join could not show; the probe makes it show.
+        all_reduce_ = fork_join_probe(all_reduce_)
+    side = SideStreamAllReduce(all_reduce_, device=group.device)
+    args = get_server_args()
+    tokens = max(args.chunked_prefill_size or 0, args.max_prefill_tokens or 0, 1)
+    # NCCL picks its protocol by message size and connects each on first use: one token, one
+    # decode-sized and the largest prefill message connect what serving will use.
+    sizes = sorted({1, min(tokens, 256), tokens})
+    kept = side.warm_up([n * hidden_size for n in sizes], torch.get_default_dtype())
+    logger.info(
+        "FarSkip side-stream all-reduce over %d rank(s)%s: warmed up up to %d tokens x %d, NCCL "
+        "kept %.1f MiB of device memory%s", group.world_size,
+        f", at most {max_ctas} CTAs" if max_ctas else "", tokens, hidden_size,
+        kept / 2**20, " (forced with the fork/join probe: test only)" if options.force_side_stream else "",
+    )
+    return side
