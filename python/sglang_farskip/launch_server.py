@@ -163,6 +163,19 @@ def _device(given: GivenArgs, gpu: bool) -> str:
     return given.get("--device") or ("cpu" if not gpu or is_cpu_run() else "cuda")
 
 
+def _check_cpu_engine(on_cpu: bool, gpu: bool, device: str | None) -> None:
+    """SGLang's modules, already imported, must agree with the device this run serves on."""
+    from sglang_farskip.cpu_support import is_cpu_run
+
+    if on_cpu == is_cpu_run():
+        return
+    if not gpu:
+        raise LaunchError(f"--device {device}, but torch sees no GPU (torch.cuda.is_available() is "
+                          "False): drop --device to serve on CPU, or run on a machine with a GPU")
+    raise LaunchError(f"--device {device}, but SGLANG_USE_CPU_ENGINE=1 is set in the environment: unset it "
+                      "for a GPU run, or drop --device")
+
+
 def _cpu_setup(given: GivenArgs) -> list[str]:
     """The per-rank CPU environment, and the CPU defaults for flags the user did not give."""
     from sglang_farskip.cpu_support import cpu_default_args, cpu_environment
@@ -270,13 +283,6 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     _cpu_engine_env_first(gpu)
     given = GivenArgs(argv)
     on_cpu = _device(given, gpu) == "cpu"
-    from sglang_farskip.cpu_support import is_cpu_run
-
-    if on_cpu != is_cpu_run():
-        raise LaunchError(
-            f"--device {given.get('--device')} but SGLANG_USE_CPU_ENGINE={os.environ.get('SGLANG_USE_CPU_ENGINE')!r}: "
-            "unset SGLANG_USE_CPU_ENGINE for a GPU run, or drop --device"
-        )
     # deploy/entrypoint.sh hands API_KEY over here rather than as --api-key: argv shows in ps.
     # One `--api-key=KEY` word: a key that starts with "-" would otherwise read as a flag.
     if os.environ.get("FARSKIP_API_KEY") and "--api-key" not in given:
@@ -317,6 +323,8 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         _check_stand_in()
     elif opts.gpu_overlap and farskip.enabled and opts.mode is FarSkipMode.OVERLAP:
         argv = argv + gpu_overlap_graph_args(given)
+
+    _check_cpu_engine(on_cpu, gpu, given.get("--device"))
 
     status_dir = tempfile.mkdtemp(prefix="sglang-farskip-status-")
     os.environ[ENV_STATUS] = status_dir
