@@ -1,4 +1,4 @@
-"""Static checks of the two-node deployment (docker/, deploy/, the README section), with real tools.
+"""Static checks of the two-node deployment (docker/, deploy/, docs/deploy.md), with real tools.
 
 - compose files: parsed and validated by Docker Compose itself (`docker-compose config`);
 - Dockerfiles: hadolint; shell scripts (and the Kubernetes command lines): shellcheck;
@@ -103,12 +103,15 @@ def entrypoint_defaults() -> dict[str, str]:
     return dict(re.findall(r'^: "\$\{([A-Z][A-Z0-9_]*):=(.*)\}"$', ENTRYPOINT.read_text(), re.M))
 
 
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+
+
 def deploy_doc() -> tuple[Path, str]:
-    """The deployment section of README.md (docs/deploy.md in older trees)."""
-    for path in (ROOT / "README.md", ROOT / "docs" / "deploy.md"):
-        if path.exists() and re.search(r"^#+ Deploy on two nodes", path.read_text(), re.M):
-            return path, path.read_text()
-    pytest.fail("no 'Deploy on two nodes' section in README.md or docs/deploy.md")
+    """The deployment page, docs/deploy.md ("Deploy on two nodes")."""
+    text = DEPLOY_DOC.read_text()
+    if not re.search(r"^#+ Deploy on two nodes", text, re.M):
+        pytest.fail(f"{DEPLOY_DOC}: no 'Deploy on two nodes' heading")
+    return DEPLOY_DOC, text
 
 
 def doc_table(heading: str) -> dict[str, str]:
