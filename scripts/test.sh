@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Install if needed, then run the whole test suite. Extra arguments go to pytest.
+# Install if needed, then run the whole test suite. Extra arguments go to pytest: options
+# (-q, -k EXPR) still run the whole suite (pyproject's testpaths), test paths run only those
+# (`./scripts/test.sh tests/test_load_stats.py`). The run ends with the time each test file
+# took (tests/_durations.py).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/bootstrap.sh"
 cd "$root"
-exec "$root/.venv/bin/python" -m pytest tests "$@"
+# `python -m` puts the working directory (the root) on sys.path, so the plugin imports as
+# tests._durations (tests/ has no __init__.py: a namespace package). `-p _durations` would
+# need tests/ on PYTHONPATH, which every server and tool the tests start would inherit.
+exec "$root/.venv/bin/python" -m pytest -p tests._durations "$@"

@@ -1,5 +1,6 @@
 """Start real servers for tests: `python -m sglang_farskip.launch_server` (or stock SGLang) in
-a subprocess on a free port, wait until it answers, and always kill its whole process tree."""
+a subprocess on a free port, wait until it answers, and always kill its whole process tree;
+and run the launcher on input it must refuse (`launch`, `assert_fails`)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,31 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ------------------------------------------------------------------ a launch expected to fail
+# Checks on the checkpoint run before SGLang is imported (seconds); flag checks need SGLang's
+# own argument resolution (import ~10-20 s here). Either way far from a hang.
+TIME_BOUND_S = 120
+
+
+def launch(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m sglang_farskip.launch_server ARGS` run to its end (bounded); `.elapsed` is
+    its run time."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_farskip.launch_server", "--port", str(free_port()), *args],
+        capture_output=True, text=True, timeout=TIME_BOUND_S, env={**os.environ, **(env or {})},
+    )
+    proc.elapsed = time.monotonic() - start
+    return proc
+
+
+def assert_fails(proc, *fragments: str) -> None:
+    """Exit 2 with an `error:` line, and every fragment in the message from there on."""
+    assert proc.returncode == 2, f"rc={proc.returncode}\n{proc.stderr[-3000:]}"
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert error_lines, proc.stderr[-3000:]
+    message = proc.stderr[proc.stderr.index("error:"):]
+    for fragment in fragments:
+        assert fragment in message, message

@@ -12,7 +12,7 @@ the 120-token cached prefix below is attended in three chunks (longer than a chu
 by log-sum-exp, while a 10-token prefix stays below the threshold and goes absorbed, as upstream
 decides it on GPUs.
 
-Tolerance: LOGPROB_ATOL = 1e-4, as in test_server_parity.py. MHA and absorbed MLA sum in
+Tolerance: LOGPROB_ATOL = 1e-4, as in parity.py. MHA and absorbed MLA sum in
 different orders (MHA decompresses K/V per head like the reference; absorbed folds W_UK into q
 and W_UV after attention; the chunked path adds a log-sum-exp merge); all are float32, and the
 measured differences are ~1e-5 or below, while a wrong chunk boundary, a dropped chunk or a
@@ -31,9 +31,8 @@ from sglang_farskip.cpu_mha import attend, merge_state_cpu
 from sglang_farskip.demo_model import build_checkpoint, kind_overrides
 from sglang_farskip.reference import load_reference
 
-from serverutil import Server, free_port
-from test_parallel import ONE_THREAD
-from test_server_parity import FLOAT32, LOGPROB_ATOL
+from parity import FLOAT32, LOGPROB_ATOL, ONE_THREAD
+from serverutil import Server, assert_fails, free_port, launch
 
 MHA = ["--farskip-cpu-attention", "mha"]
 CHUNKING = {"SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD": "32", "SGLANG_MAX_KV_CHUNK_CAPACITY": "48"}
@@ -191,7 +190,5 @@ def test_layer_range_two_nodes_mha(checkpoints):
 
 # ------------------------------------------------------------------ the flag's refusals
 def test_mha_flag_is_for_cpu_runs_only(checkpoints):
-    from test_launcher_errors import assert_fails, launch
-
     assert_fails(launch(["--model-path", str(checkpoints["full"]), *MHA, "--device", "cuda"]),
                  "CPU runs only", "remove the flag")

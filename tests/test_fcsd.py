@@ -6,8 +6,8 @@ Tolerances. Parity (fp32): logits within 1e-4. The student and stock transformer
 modules in the same order; the reference decompresses MLA and sums h + a + s + r in its own order.
 Measured differences are below 1e-5 on logits of magnitude ~10; a wiring mistake moves them by more
 than 1 (asserted below: FarSkip on vs stock differs by > 1). Loss (fp32): relative 1e-5, the
-difference between summing per chunk and summing once. Server logprobs: 1e-4, as in
-test_server_parity.py (SGLang runs MLA absorbed, in another order).
+difference between summing per chunk and summing once. Server logprobs: parity.LOGPROB_ATOL = 1e-4
+(SGLang runs MLA absorbed, in another order; parity.py says why).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from sglang_farskip.fcsd.run import main
 from sglang_farskip.fcsd.student import FarSkipDeepseekV3ForCausalLM
 from sglang_farskip.reference import load_reference
 
+from parity import LOGPROB_ATOL
 from serverutil import Server
 
 LOGIT_ATOL = 1e-4
-LOGPROB_ATOL = 1e-4
 VARIANTS = [FarSkipConfig(True), FarSkipConfig(True, 2, 3), FarSkipConfig(True, attn_only=True),
             FarSkipConfig(True, mlp_only=True)]
 
@@ -113,9 +113,19 @@ def test_chunked_loss_equals_direct(ce_weight):
 
 
 # 16 steps of 8 windows x 64 tokens. The seeded random teacher is peaky (lm_head logit std 4), so
-# LR 1e-4 first raises its KL; at 3e-5 it falls at every evaluation (0.733 -> 0.686 -> 0.614 measured).
+# LR 1e-4 first raises its KL; at 3e-5 it falls.
 RUN_FLAGS = ["--seq-len", "64", "--batch-tokens", "512", "--micro-batch", "4", "--tokens", str(512 * 16),
              "--lr", "3e-5", "--warmup-steps", "2", "--eval-every", "8", "--eval-tokens", "1024", "--save-every", "8"]
+
+
+# The held-out KL must end at least this fraction below the untrained student's. Measured with
+# these flags (--seed only changes the order of the training windows): 0.733 at step 0, then at
+# step 16 0.614 / 0.620 / 0.637 for seeds 0 / 1 / 2, drops of 16.2 / 15.3 / 13.1 % (seeds 3, 4:
+# 16.0 %, 16.0 %). The step-8 evaluation is not checked: its drop ranged from 3.4 % to 8.0 %
+# with the window order, and a strictly falling curve says no more than the end point does.
+# 6 % is under half the smallest measured drop; a student that does not learn (no optimizer
+# step, a loss with no gradient) stays at 0 %.
+MIN_KL_DROP = 0.06
 
 
 def _records(out: Path) -> list[dict]:
@@ -134,8 +144,7 @@ def test_short_run_lowers_held_out_kl(trained):
     evals = [r for r in records if r["event"] == "eval"]
     final = next(r for r in records if r["event"] == "final")
     assert [e["step"] for e in evals] == [0, 8, 16]
-    assert evals[2]["kl"] < evals[1]["kl"] < evals[0]["kl"], evals
-    assert final["kl"] < 0.9 * evals[0]["kl"], (evals, final)
+    assert final["kl"] <= (1 - MIN_KL_DROP) * evals[0]["kl"], (evals, final)
     assert final["kl"] == min(e["kl"] for e in evals)  # the output is the best evaluated student
     cfg = json.loads((trained / "config.json").read_text())
     assert FarSkipConfig.from_hf_config(cfg) == FarSkipConfig(True)

@@ -1,10 +1,15 @@
 """GPU overlap readiness, checked on a CPU (no GPU is lent to this project yet):
 
 - the launcher refuses, with one `error:` line naming the flag and the fix, the settings that
-  give wrong results or hazards with FarSkip (audit A3, A4), and accepts them where they are
-  fine (sync mode, or off the GPU side stream);
+  give wrong results with FarSkip (a replicated dense MLP would be summed TP times over) or
+  cannot live with its in-flight all-reduces in overlap mode (torch.compile cannot trace them;
+  decode context parallelism runs collectives of its own inside attention meanwhile), and
+  accepts them where they are fine (sync mode, or off the GPU side stream);
 - with the GPU side stream, prefill CUDA graphs are turned off unless the user chose a backend
-  (audit A1); on a GPU the profiler is refused while graphs could replay (audit B0);
+  (SGLang's default breakable prefill graph ends a segment at every attention, while the routed
+  sum is still in flight, and CUDA refuses a wait in the next segment); on a GPU the profiler
+  is refused while graphs could replay (its timings are CUDA events recorded by Python, which a
+  replay does not run);
 - bench/device_check.py imports without a GPU, and its CPU-checkable parts are right.
 
 Launcher checks run SGLang's real argument resolution; one subprocess imports SGLang once and
@@ -76,7 +81,7 @@ def _one_problem(result, *fragments):
 
 
 def test_replicated_dense_mlp_is_refused_in_both_modes(probe):
-    # A3: with --moe-dense-tp-size 1 the dense MLP output is complete on every rank; FarSkip's
+    # With --moe-dense-tp-size 1 the dense MLP output is complete on every rank; FarSkip's
     # all-reduce would multiply it by the TP size, in sync mode as much as in overlap.
     for case in ("dense_tp1", "dense_tp1_sync"):
         _one_problem(probe[case], "moe_dense_tp_size=1", "drop --moe-dense-tp-size")
@@ -105,7 +110,7 @@ def test_deterministic_inference_is_refused_on_the_side_stream_only():
 
 
 def test_gpu_profiler_needs_graphs_off(probe):
-    # B0: GPU timings come from CUDA events recorded by Python at launch and join; graphs
+    # GPU timings come from CUDA events recorded by Python at launch and join; graphs
     # would replay without them (decode FULL graphs are SGLang's default on a GPU).
     (line,) = probe["profile_graphs_on"]
     assert "--disable-cuda-graph" in line and "--farskip-profile-dir" in line
@@ -141,9 +146,17 @@ def test_device_check_checkpoint_is_a_valid_farskip_v3(device_check, tmp_path):
     config = read_checkpoint_config(str(path))
     farskip = check_farskip(config, str(path))
     assert farskip.converted_layers(config["num_hidden_layers"]) == [0, 1, 2]
-    assert config["first_k_dense_replace"] == 1 and config["n_routed_experts"] == 256
-    # 4096 tokens x hidden x 2 bytes: the 58.7 MB prefill message the memory item uses.
-    assert 4096 * config["hidden_size"] * 2 == 58_720_256
+    # DeepSeek-V3's own shapes (its config.json), which the items' timings and memory are
+    # about: a shrunken model would pass every item and say nothing about the real one.
+    v3 = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+          "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+          "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+          "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+          "first_k_dense_replace": 1, "vocab_size": 129280}
+    assert {k: config[k] for k in v3} == v3
+    # The memory and priority items build their messages from HIDDEN in bfloat16; the server
+    # item's model must send the same, or the memory item measures a size serving never sends.
+    assert device_check.HIDDEN == config["hidden_size"] and config["torch_dtype"] == "bfloat16"
 
 
 def test_device_check_workload_covers_the_issue_cases(device_check):
@@ -153,7 +166,17 @@ def test_device_check_workload_covers_the_issue_cases(device_check):
     prefix = cases["prefix>chunk"][0][0]
     assert prefix[:4096] == long_prompt and len(long_prompt) > device_check.CHUNK
     assert [len(cases[f"decode-bs{b}"][0]) for b in (1, 3, 64)] == [1, 3, 64]
-    assert device_check.workload() == device_check.workload()  # the same prompts for every server
+    # Only "prefix>chunk" may find a cached prefix: any other prompt sharing a start with an
+    # earlier one would be served as an extend, not the prefill or decode its case names.
+    def common_start(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    sent = []
+    for name, prompts, _ in device_check.workload():
+        for prompt in prompts:
+            shared = max((common_start(prompt, earlier) for earlier in sent), default=0)
+            assert shared == (4096 if name == "prefix>chunk" else 0), (name, shared)
+            sent.append(prompt)
     # bs 3 is not a captured decode size, so it runs padded to the graph of 4.
     bs = device_check.SERVER_COMMON[device_check.SERVER_COMMON.index("--cuda-graph-bs-decode") + 1:][:3]
     assert "3" not in bs and "4" in bs
@@ -162,11 +185,12 @@ def test_device_check_workload_covers_the_issue_cases(device_check):
 def test_device_check_servers_force_the_side_stream_except_sync(device_check):
     for variant in device_check.SERVER_VARIANTS:
         argv = device_check.server_argv("/m", variant, 1234)
-        forced = "--json-model-override-args" in argv
+        forced = "--farskip-test-force-side-stream" in argv
         assert forced == (variant != "sync")
         if forced:
-            keys = json.loads(argv[argv.index("--json-model-override-args") + 1])
-            assert keys == {"farskip_force_side_stream": True} and "--farskip-gpu-overlap" in argv
+            assert "--farskip-gpu-overlap" in argv
+            own, _ = L._split_own_flags(argv)
+            assert own.farskip_test_force_side_stream and own.farskip_gpu_overlap
     assert ("overlap", "sync", 0.0) in device_check.SERVER_CHECKS
 
 

@@ -3,7 +3,7 @@ two shared experts and a sigmoid gate on the attention output) served by real SG
 CPU, float32, against reference.py (itself tested against transformers' DeepseekV3 modules with
 the gate hooked in, test_reference.py).
 
-Tolerance: as in test_server_parity.py, greedy tokens equal and logprobs within 1e-4 (float32 on
+Tolerance: as in parity.py, greedy tokens equal and logprobs within 1e-4 (float32 on
 both sides, different summation order: absorbed MLA, the FarSkip lane order; measured ~1e-6).
 The demo gate's sigmoids spread over ~(0.05, 0.95), so a gate skipped on a path, fed the wrong
 input or misaligned with the heads moves logprobs by far more than that.
@@ -29,10 +29,8 @@ from sglang_farskip.config import FarSkipConfig, FarSkipConfigError
 from sglang_farskip.demo_model import build_checkpoint, ensure_demo_checkpoint, kind_overrides
 from sglang_farskip.reference import load_reference
 
-from serverutil import Server, free_port
-from test_launcher_errors import assert_fails, launch
-from test_parallel import ONE_THREAD
-from test_server_parity import FLOAT32, LOGPROB_ATOL, PROMPTS, _assert_matches_reference, _served
+from parity import FLOAT32, LOGPROB_ATOL, ONE_THREAD, PROMPTS, assert_matches_reference, served
+from serverutil import Server, assert_fails, free_port, launch
 
 LAYERS = [0, 1, 2, 3]
 
@@ -60,11 +58,6 @@ def variant(src, dst, config_changes: dict | None = None, tensors=None) -> str:
     return str(dst)
 
 
-def max_logprob_diff(served, reference) -> float:
-    return max(abs(a - b) for (prompt, (_, chosen, _)) in zip(PROMPTS, served)
-               for a, b in zip(chosen, reference.greedy(prompt, len(chosen))[1]))
-
-
 def check_ranks(ranks, mode: str, converted: list[int]) -> None:
     for rank in ranks:
         assert rank["model_class"].endswith(".InstellaMoEForCausalLM"), rank
@@ -80,14 +73,16 @@ def test_demo_tp1_with_remote_code_matches_reference(tmp_path):
                 env={"SGLANG_FARSKIP_CACHE": str(cache)}) as server:
         server.wait_ready()
         info = server.get("/farskip/info")
-        served = _served(server)
+        models = server.get("/v1/models")
+        results = served(server)
         log = server.log_tail(100000)
     assert info["launcher"]["demo"] is True
+    # The OpenAI model id is a name a client types, not the demo's cache path.
+    assert [m["id"] for m in models["data"]] == ["farskip-demo-instella"]
     check_ranks(info["ranks"], "overlap", LAYERS)
     assert "InstellaMoEForCausalLM: MLA KV cache, latent 64 + rope 16" in log
     ref = load_reference(str(ensure_demo_checkpoint(cache, kind="instella")))  # the one served
-    _assert_matches_reference(served, ref)
-    print(f"TP=1 Instella: max |logprob - reference| = {max_logprob_diff(served, ref):.2e}")
+    print(f"TP=1 Instella: max |logprob - reference| = {assert_matches_reference(results, ref):.2e}")
 
 
 def test_farskip_false_is_stock_wiring_with_the_gate(instella, tmp_path):
@@ -95,13 +90,13 @@ def test_farskip_false_is_stock_wiring_with_the_gate(instella, tmp_path):
     with Server(["--model-path", path, *FLOAT32]) as server:
         server.wait_ready()
         ranks = server.get("/farskip/info")["ranks"]
-        served = _served(server)
+        results = served(server)
     check_ranks(ranks, "off", [])
     ref = load_reference(path)
     assert not ref.farskip.enabled
-    _assert_matches_reference(served, ref)
+    assert_matches_reference(results, ref)
     farskip_tokens = [load_reference(str(instella)).greedy(p, 8)[0] for p in PROMPTS]
-    assert [s[0] for s in served] != farskip_tokens  # the wiring really differs on these weights
+    assert [r[0] for r in results] != farskip_tokens  # the wiring really differs on these weights
 
 
 def test_two_nodes_tp2_ep2_match_reference(instella):
@@ -115,11 +110,11 @@ def test_two_nodes_tp2_ep2_match_reference(instella):
     with node(0) as node0, node(1) as node1:
         node0.wait_ready()
         (rank0,) = node0.get("/farskip/info")["ranks"]
-        served = _served(node0)
+        results = served(node0)
         assert node1.proc.poll() is None
     check_ranks([rank0], "overlap", LAYERS)
     assert rank0["tp_size"] == 2 and rank0["moe_ep_size"] == 2
-    _assert_matches_reference(served, load_reference(str(instella)))
+    assert_matches_reference(results, load_reference(str(instella)))
 
 
 def test_a_tensor_the_model_does_not_know_fails_the_load(instella, tmp_path):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from proxies import SSEProxy
 from serverutil import REPO, Server, free_port
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -114,32 +115,101 @@ def test_csv_plots_and_report_exist_and_parse(two_levels):
     assert "Machine:" in md and "FarSkip mode `overlap`" in md and "![TTFT" in md
 
 
-def test_saved_runs_compare_to_ratio_one(two_levels, tmp_path):
-    # The same saved run against itself: every ratio must be exactly 1.
-    r = run_load("--saved", f"a={two_levels}", "--saved", f"b={two_levels}", "--out", str(tmp_path))
-    assert r.returncode == 0, r.stderr
-    res = json.loads((tmp_path / "results.json").read_text())
-    assert [row["concurrency"] for row in res["ab"]["ratios"]] == [1, 3]
+# Through the delaying proxy every response head, so every first token, leaves DELAY_S after
+# the server sent it: a delayed TTFT is DELAY_S at least, whatever the load. Direct p50 TTFTs
+# measured here: 0.15-0.6 s idle, at most 1.7 s with two busy loops and other tests beside it
+# on this 2-core machine. 3 s keeps every delayed TTFT above that worst case with room.
+DELAY_S = 3.0
+# delayed/direct TTFT p50 >= DELAY_S / direct p50, so at worst 3 / 1.7 = 1.76 in what was
+# measured (2.1-18.6 over three busy runs); 1.5 still holds for a direct p50 up to 2 s. Swapped
+# labels give a ratio below 1, a proxy that adds no delay one near 1: both fail.
+MIN_TTFT_RATIO = 1.5
+
+
+@pytest.fixture(scope="module")
+def delayed(server):
+    with SSEProxy(server.port, first_byte_delay=DELAY_S) as proxy:
+        yield proxy
+    assert proxy.errors == []
+
+
+def _printed_ratios(md: str, a: str, b: str) -> dict[int, dict[str, str]]:
+    """The A/B ratio table of report.md as printed: {concurrency: {column: text}}."""
+    lines = md.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"Ratios {a} / {b} "))
+    header = [c.strip() for c in lines[at + 2].strip("|").split("|")]
+    rows = {}
+    for line in lines[at + 4:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[int(cells[0])] = dict(zip(header, cells))
+    return rows
+
+
+def _assert_delayed_over_direct(res: dict, md: str, concurrencies: list[int]) -> None:
+    assert (res["ab"]["a"], res["ab"]["b"]) == ("delayed", "direct")
+    by = {(lv["label"], lv["concurrency"]): lv["client"] for lv in res["levels"]}
+    printed = _printed_ratios(md, "delayed", "direct")
+    assert [row["concurrency"] for row in res["ab"]["ratios"]] == concurrencies
     for row in res["ab"]["ratios"]:
-        assert all(v == pytest.approx(1.0) for k, v in row.items() if k != "concurrency")
-    assert "Compared from saved runs" in res["note"]
-    assert (tmp_path / "ab_ratios.csv").exists() and (tmp_path / "itl.png").exists()
+        c = row["concurrency"]
+        slow, fast = by[("delayed", c)]["ttft"]["p50_ms"], by[("direct", c)]["ttft"]["p50_ms"]
+        assert slow >= 1000 * DELAY_S, "the delayed side's TTFT did not go through the proxy"
+        assert row["ttft_p50"] == pytest.approx(slow / fast, rel=1e-9)
+        assert row["ttft_p50"] >= MIN_TTFT_RATIO, (c, slow, fast)
+        assert printed[c]["ttft_p50"] == f"{row['ttft_p50']:.3f}"
 
 
-def test_ab_run_interleaves_and_alternates_order(server, tmp_path):
-    r = run_load("--target", f"farskip={server.url}", "--target", f"baseline={server.url}",
+@pytest.fixture(scope="module")
+def ab_run(server, delayed, tmp_path_factory):
+    # A/B against two servers of known order: the same server reached through the delaying
+    # proxy (A) and directly (B).
+    out = tmp_path_factory.mktemp("ab")
+    before = delayed.streams
+    r = run_load("--target", f"delayed={delayed.url}", "--target", f"direct={server.url}",
                  "--concurrency", "1,2", "--requests", "2", "--max-tokens", "6", "--input-len", "16",
-                 "--out", str(tmp_path))
-    assert r.returncode == 0, r.stderr
-    res = json.loads((tmp_path / "results.json").read_text())
+                 "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    # Warm-up (2 requests, not streamed) and the two delayed levels (2 streamed requests each).
+    assert delayed.streams - before == 4
+    return out
+
+
+def test_ab_run_interleaves_and_alternates_order(ab_run):
+    res = json.loads((ab_run / "results.json").read_text())
     order = [(lv["label"], lv["concurrency"]) for lv in res["levels"]]
-    assert order == [("farskip", 1), ("baseline", 1), ("baseline", 2), ("farskip", 2)]
+    assert order == [("delayed", 1), ("direct", 1), ("direct", 2), ("delayed", 2)]
     assert all(lv["client"]["completed"] == 2 for lv in res["levels"])
-    assert [row["concurrency"] for row in res["ab"]["ratios"]] == [1, 2]
-    rows = list(csv.DictReader((tmp_path / "ab_ratios.csv").open()))
-    assert len(rows) == 2 and float(rows[0]["ttft_p50"]) > 0
-    md = (tmp_path / "report.md").read_text()
-    assert "Ratios farskip / baseline" in md and "interleaved" in md
+    md = (ab_run / "report.md").read_text()
+    assert "interleaved" in md
+
+
+def test_ab_ratios_point_from_the_slow_server_to_the_fast_one(ab_run):
+    res = json.loads((ab_run / "results.json").read_text())
+    md = (ab_run / "report.md").read_text()
+    _assert_delayed_over_direct(res, md, [1, 2])
+    rows = list(csv.DictReader((ab_run / "ab_ratios.csv").open()))
+    assert [float(r["ttft_p50"]) for r in rows] == pytest.approx([r["ttft_p50"] for r in res["ab"]["ratios"]])
+    for lv in res["levels"]:
+        if lv["label"] == "delayed":
+            recs = loadstats.read_records(ab_run / lv["records"])
+            assert all(x["ttft"] >= DELAY_S for x in recs), [x["ttft"] for x in recs]
+
+
+def test_saved_runs_compare_in_the_right_direction(two_levels, delayed, tmp_path):
+    # The same workload as two_levels (the direct side), this time through the delaying proxy.
+    slow = tmp_path / "slow"
+    r = run_load("--url", delayed.url, "--concurrency", "1,3", "--duration", "3", "--max-tokens", str(MAX_TOKENS),
+                 "--input-len", "32", "--out", str(slow))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_load("--saved", f"delayed={slow}", "--saved", f"direct={two_levels}", "--out", str(tmp_path / "ab"))
+    assert r.returncode == 0, r.stderr
+    assert "different workloads" not in r.stderr
+    res = json.loads((tmp_path / "ab" / "results.json").read_text())
+    _assert_delayed_over_direct(res, (tmp_path / "ab" / "report.md").read_text(), [1, 3])
+    assert "Compared from saved runs" in res["note"]
+    assert (tmp_path / "ab" / "ab_ratios.csv").exists() and (tmp_path / "ab" / "itl.png").exists()
 
 
 def test_unreachable_server_fails_fast_with_clear_error(tmp_path):
@@ -172,64 +242,85 @@ def test_http_errors_are_counted_as_failures(server, tmp_path):
     assert "Failures" in (tmp_path / "report.md").read_text()
 
 
-class CuttingProxy:
-    """A real TCP proxy to the server that closes streaming responses after a few events,
-    as a crashed server or a broken network would."""
+def _fake_sse_upstream(framing, split) -> tuple[socket.socket, int]:
+    """A raw TCP server answering every request with one chunked SSE stream of 8 events and
+    [DONE]: `framing` cuts the SSE body into HTTP chunks, `split` cuts the reply's bytes into
+    writes (the pieces a busy machine might deliver in one recv, or spread over many)."""
+    events = [b'data: {"i": %d}\n\n' % i for i in range(8)] + [b"data: [DONE]\n\n"]
+    chunks = framing(events)
+    reply = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+             + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n")
+    srv = socket.create_server(("127.0.0.1", 0))
 
-    def __init__(self, upstream_port: int, keep_events: int = 3):
-        self.upstream, self.keep = upstream_port, keep_events
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
+    def serve():
         while True:
             try:
-                client, _ = self.sock.accept()
+                conn, _ = srv.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                try:
+                    for piece in split(reply):
+                        conn.sendall(piece)
+                except OSError:
+                    pass  # the proxy cut the stream
 
-    def _handle(self, client: socket.socket):
-        with client, socket.create_connection(("127.0.0.1", self.upstream)) as up:
-            request = b""
-            while b"\r\n\r\n" not in request:
-                chunk = client.recv(65536)
-                if not chunk:
-                    return
-                request += chunk
-            head, body = request.split(b"\r\n\r\n", 1)
-            length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n")
-                           if h.lower().startswith(b"content-length:")), 0)
-            while len(body) < length:
-                body += client.recv(65536)
-            # One request per connection, so a cut never leaves a reusable connection behind.
-            up.sendall(head + b"\r\nConnection: close\r\n\r\n" + body)
-            cut = b'"stream": true' in body or b'"stream":true' in body
-            seen = 0
-            while chunk := up.recv(65536):
-                client.sendall(chunk)
-                seen += chunk.count(b"data:")
-                if cut and seen >= self.keep:
-                    return  # closes both sockets mid-stream
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, srv.getsockname()[1]
 
-    def close(self):
-        self.sock.close()
+
+def _every(n):
+    """Cut bytes (or the joined events) into pieces of n bytes."""
+    def cut(data):
+        data = b"".join(data) if isinstance(data, list) else data
+        return [data[i:i + n] for i in range(0, len(data), n)]
+    return cut
+
+
+@pytest.mark.parametrize("framing, split", [
+    (lambda events: events, lambda b: [b]),  # SGLang's framing (an event per chunk), one write
+    (lambda events: events, _every(1)),
+    (lambda events: [b"".join(events)], lambda b: [b]),  # every event in one HTTP chunk
+    (_every(7), _every(5)),  # events split across chunks, chunks across writes
+], ids=["event-chunks-one-write", "event-chunks-bytewise", "one-chunk", "7-byte-chunks-5-byte-writes"])
+def test_cutting_proxy_cuts_at_the_same_event_however_the_bytes_arrive(framing, split):
+    import requests
+
+    srv, port = _fake_sse_upstream(framing, split)
+    try:
+        for keep, want in ((3, 3), (20, 8)):  # 20: a stream shorter than the cut is still cut
+            with SSEProxy(port, keep_events=keep) as proxy:
+                got = b""
+                with pytest.raises(requests.exceptions.ChunkedEncodingError):
+                    with requests.post(proxy.url + "/v1/completions", json={"stream": True}, stream=True) as resp:
+                        for piece in resp.iter_content(chunk_size=None):
+                            got += piece
+            assert got == b"".join(b'data: {"i": %d}\n\n' % i for i in range(want))
+            assert proxy.errors == []
+        with SSEProxy(port) as proxy:  # no cut: the whole stream, [DONE] included, ends cleanly
+            with requests.post(proxy.url + "/v1/completions", json={"stream": True}, stream=True) as resp:
+                assert resp.content.endswith(b'data: {"i": 7}\n\ndata: [DONE]\n\n')
+    finally:
+        srv.close()
 
 
 def test_truncated_streams_are_counted_as_failures(server, tmp_path):
-    proxy = CuttingProxy(server.port)
-    try:
+    with SSEProxy(server.port, keep_events=3) as proxy:
         r = run_load("--url", proxy.url, "--concurrency", "2", "--requests", "4", "--max-tokens", str(MAX_TOKENS),
                      "--input-len", "16", "--warmup", "0", "--out", str(tmp_path))
-    finally:
-        proxy.close()
     assert r.returncode == 1, r.stderr
+    assert proxy.streams == 4 and proxy.errors == []
     (lv,) = _levels(tmp_path)
     assert lv["locust"] == {"requests": 4, "failures": 4}
     recs = loadstats.read_records(tmp_path / lv["records"])
     assert all(not x["ok"] and x["error"].startswith("truncated stream") for x in recs), [x["error"] for x in recs]
-    assert all(0 < x["output_tokens"] < MAX_TOKENS for x in recs)
+    # Exactly the 3 events the proxy let through, each with at least one token; below
+    # MAX_TOKENS unless the server packed 12 tokens into 3 events, which --stream-interval 1
+    # does not do (the first test checks that chunks carry one token each).
+    assert all(x["chunks"] == 3 and 3 <= x["output_tokens"] < MAX_TOKENS for x in recs), recs
 
 
 def test_zero_token_requests_do_not_break_statistics(server, tmp_path):

@@ -1,12 +1,14 @@
-"""FarSkip on several ranks (gloo on CPU): TP=2, TP=2/EP=2, and two "nodes" on loopback.
+"""FarSkip on several ranks (gloo on CPU): TP=2, TP=2/EP=2, TP=4/EP=4 and two "nodes" on
+loopback.
 
 - overlap vs sync on the same ranks: the same gloo all-reduces of the same partials, added in
-  the same order (one code path; only where wait() is called differs), and a two-rank sum is
-  one commutative float add, so logprobs must be bit-identical, not merely close;
-- every layout (TP=2, TP=2/EP=2, two nodes) x every conversion (all layers, layers 2..3)
-  against reference.py: greedy tokens equal and logprobs within LOGPROB_ATOL (see
-  test_server_parity.py for why 1e-4). test_server_parity.py shows TP=1 equals the reference
-  on the same prompts, so equality here is also equality with TP=1;
+  the same order (one code path; only where wait() is called differs). A two-rank sum is one
+  commutative float add; at four ranks gloo's reduction order is fixed by the group and the
+  message size, which both modes share. So logprobs must be bit-identical, not merely close;
+- every layout (TP=2, TP=2/EP=2, TP=4/EP=4, two nodes) x every conversion (all layers, layers
+  2..3; TP=4 all layers only) against reference.py: greedy tokens equal and logprobs within
+  LOGPROB_ATOL (see parity.py for why 1e-4). test_server_parity.py shows TP=1 equals the
+  reference on the same prompts, so equality here is also equality with TP=1;
 - the overlap instrumentation shows real deferral: on both lanes, at least one sub-block of
   compute ran between each launch and its wait, in prefill and in decode;
 - killing one node mid-request makes the other exit with an error, not hang.
@@ -26,12 +28,8 @@ from sglang_farskip import convert
 from sglang_farskip.demo_model import build_checkpoint
 from sglang_farskip.reference import load_reference
 
+from parity import FLOAT32, ONE_THREAD, PROMPTS, assert_matches_reference, served
 from serverutil import Server, free_port
-from test_server_parity import FLOAT32, _assert_matches_reference, _served
-
-# Each rank of a CPU test run gets one core; two OpenMP threads per rank on two cores made
-# TP=2 about 3x slower here.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +48,7 @@ def test_tp2_overlap_is_bit_identical_to_sync_and_defers_waits(checkpoints, tmp_
                 env=ONE_THREAD) as server:
         server.wait_ready()
         ranks = server.get("/farskip/info")["ranks"]
-        overlap = _served(server)
+        overlap = served(server)
     assert [r["mode"] for r in ranks] == ["overlap", "overlap"]
     assert {r["comm_backend"] for r in ranks} == {"comm-thread"}
 
@@ -71,9 +69,9 @@ def test_tp2_overlap_is_bit_identical_to_sync_and_defers_waits(checkpoints, tmp_
                 env=ONE_THREAD) as server:
         server.wait_ready()
         assert [r["mode"] for r in server.get("/farskip/info")["ranks"]] == ["sync", "sync"]
-        sync = _served(server)
+        sync = served(server)
     assert overlap == sync
-    _assert_matches_reference(overlap, load_reference(path))
+    assert_matches_reference(overlap, load_reference(path))
 
 
 LAYOUTS = {"tp2": ["--tp", "2"], "tp2-ep2": ["--tp", "2", "--ep-size", "2"]}
@@ -88,11 +86,65 @@ def test_layout_matches_reference(checkpoints, layout, conversion):
     with Server(["--model-path", path, *LAYOUTS[layout], *FLOAT32], env=ONE_THREAD) as server:
         server.wait_ready()
         ranks = server.get("/farskip/info")["ranks"]
-        served = _served(server)
+        results = served(server)
     assert [r["mode"] for r in ranks] == ["overlap", "overlap"]
     assert [r["moe_ep_size"] for r in ranks] == [2 if "ep2" in layout else 1] * 2
     assert [r["converted_layers"] for r in ranks] == [CONVERTED[conversion]] * 2
-    _assert_matches_reference(served, load_reference(path))
+    assert_matches_reference(results, load_reference(path))
+
+
+# ------------------------------------------------------------------ TP=4 / EP=4
+# The demo model's 4 attention heads at TP=4 leave one head per rank, which is what
+# Instella-MoE's 16 heads have at TP=16 (its two-node layout): per-rank head slicing of q, the
+# latent up-projections and o_proj with nothing left to average over. Four ranks on 2 cores are
+# slow (a start took 100-190 s here on an idle machine), so each mode is served once, shared by
+# the tests below, on three short prompts: a 2-token prefill, a 16-token prefill, and an extend
+# on that cached 16-token prefix; each decodes NEW_TOKENS.
+TP4 = ["--tp", "4", "--ep-size", "4"]
+TP4_START_TIMEOUT_S = 600  # serverutil's 240 s is for one or two ranks; four share 2 cores
+TP4_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[1] + [7, 99, 512, 1023, 2047, 3000]]
+
+
+def _serve_tp4(path: str, mode: str) -> dict:
+    started = time.monotonic()
+    with Server(["--model-path", path, *TP4, "--farskip-mode", mode, *FLOAT32], env=ONE_THREAD) as server:
+        server.wait_ready(TP4_START_TIMEOUT_S)
+        ready = time.monotonic() - started
+        ranks = server.get("/farskip/info")["ranks"]
+        results = served(server, TP4_PROMPTS)
+    print(f"TP=4/EP=4 {mode}: ready after {ready:.0f} s, "
+          f"{time.monotonic() - started - ready:.0f} s to serve the prompts")
+    return {"ranks": ranks, "results": results}
+
+
+@pytest.fixture(scope="module")
+def tp4_overlap(checkpoints):
+    return _serve_tp4(str(checkpoints["full"]), "overlap")
+
+
+@pytest.fixture(scope="module")
+def tp4_sync(checkpoints):
+    return _serve_tp4(str(checkpoints["full"]), "sync")
+
+
+def test_tp4_ep4_one_head_per_rank_matches_reference(checkpoints, tp4_overlap):
+    path = str(checkpoints["full"])
+    heads = json.loads((checkpoints["full"] / "config.json").read_text())["num_attention_heads"]
+    assert heads == 4  # one head per rank
+    ranks = tp4_overlap["ranks"]
+    assert [r["tp_rank"] for r in ranks] == [0, 1, 2, 3]
+    for rank in ranks:
+        assert (rank["tp_size"], rank["moe_ep_size"]) == (4, 4), rank
+        assert rank["mode"] == "overlap" and rank["comm_backend"] == "comm-thread", rank
+        assert rank["converted_layers"] == CONVERTED["full"], rank
+    worst = assert_matches_reference(tp4_overlap["results"], load_reference(path), TP4_PROMPTS)
+    print(f"TP=4/EP=4 overlap: max |logprob - reference| = {worst:.1e}")
+
+
+def test_tp4_ep4_overlap_is_bit_identical_to_sync(tp4_overlap, tp4_sync):
+    assert [r["mode"] for r in tp4_sync["ranks"]] == ["sync"] * 4
+    assert [(r["tp_size"], r["moe_ep_size"]) for r in tp4_sync["ranks"]] == [(4, 4)] * 4
+    assert tp4_overlap["results"] == tp4_sync["results"]
 
 
 @pytest.mark.parametrize("conversion", ["full", "range"])
@@ -109,7 +161,7 @@ def test_two_nodes_on_loopback_match_reference_and_fail_fast_when_a_node_dies(ch
         (rank0,) = node0.get("/farskip/info")["ranks"]  # node 0 reports its own rank only
         assert rank0["tp_size"] == 2 and rank0["mode"] == "overlap"
         assert rank0["converted_layers"] == CONVERTED[conversion]
-        _assert_matches_reference(_served(node0), load_reference(path))
+        assert_matches_reference(served(node0), load_reference(path))
 
         # A long request is in flight when node 1 dies.
         outcome = {}

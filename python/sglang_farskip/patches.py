@@ -1,13 +1,14 @@
 """Apply or check the repository's `patches/` against the installed SGLang.
 
-    python -m sglang_farskip.patches check [--dir patches]   # every patch applies (or is applied)
-    python -m sglang_farskip.patches apply [--dir patches]   # apply what is not applied yet
+    python -m sglang_farskip.patches check [--dir patches] [--root DIR]   # every patch applies (or is applied)
+    python -m sglang_farskip.patches apply [--dir patches] [--root DIR]   # apply what is not applied yet
 
 A patch is a unified diff with paths relative to site-packages (`a/sglang/srt/...`), named
 NN-concern.patch, its header stating why no plugin hook can do the same. Patches are applied
 in name order with `git apply`, which refuses fuzz: a patch that no longer matches the pinned
-SGLang fails loudly (exit 1) instead of half-applying. The installed SGLang must be exactly the
-pinned version.
+SGLang fails loudly (exit 1, naming the file and line git could not match) instead of
+half-applying. The installed SGLang must be exactly the pinned version; `--root` (a tree laid out
+like site-packages; no version check) is for tests.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def _site_packages() -> Path:
 
 
 def _git_apply(patch: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "apply", "-p1", *extra, str(patch)], cwd=root,
+    # git runs in `root`: a patch path relative to the caller's directory (`--dir patches`)
+    # would not be found there, and "can't open patch" would read as a conflict.
+    return subprocess.run(["git", "apply", "-p1", *extra, str(Path(patch).resolve())], cwd=root,
                           capture_output=True, text=True)
 
 
@@ -44,6 +47,12 @@ def status(patch: Path, root: Path) -> str:
     if _git_apply(patch, root, "--check").returncode == 0:
         return "applicable"
     return "conflict"
+
+
+def conflict_reason(patch: Path, root: Path) -> str:
+    """git's own words for why `patch` does not apply (which file, which line)."""
+    lines = _git_apply(patch, root, "--check").stderr.strip().splitlines()
+    return "; ".join(line.removeprefix("error: ") for line in lines) or "git apply --check failed"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         if state == "applicable" and args.command == "apply":
             result = _git_apply(patch, root)
             state = "applied now" if result.returncode == 0 else "conflict"
-        print(f"{patch.name}: {state}")
         if state == "conflict":
             failed.append(patch.name)
+            state = f"conflict ({conflict_reason(patch, root)})"
+        print(f"{patch.name}: {state}")
     if failed:
         print(f"error: {len(failed)} patch(es) do not apply to sglang {installed} at {root}: "
               f"{', '.join(failed)}; rebase them on the pinned SGLang", file=sys.stderr)

@@ -1,0 +1,87 @@
+"""What the server tests share: the float32 serving flags, the prompts, the tolerance and the
+comparison of a served result with reference.py. A plain module (no fixtures), imported by the
+test modules; no test module imports another.
+
+Tolerance: logprobs within LOGPROB_ATOL = 1e-4 (absolute). Both sides compute in float32 but
+not in the same order: SGLang runs MLA in absorbed form (W_UK folded into q, W_UV after the
+latent attention) and sums residual lanes in the FarSkip schedule's order, the reference
+decompresses K/V and adds h + a + s + r; TP/EP ranks add their partial sums in yet another
+order. Measured differences are below 1e-5 on the demo models; a wiring mistake (a lane read one
+layer late, a missing scale, a sum counted twice) moves logprobs by 1e-2 or more. Tokens must be
+equal: the demo weights keep top-2 logit gaps far above float32 noise.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from serverutil import Server
+
+LOGPROB_ATOL = 1e-4
+NEW_TOKENS = 8
+TOP_K = 5
+FLOAT32 = ["--dtype", "float32"]
+
+# Each rank of a CPU test run gets one core; two OpenMP threads per rank on two cores made
+# TP=2 about 3x slower here.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    long = [0] + [rng.randrange(2, 4096) for _ in range(120)]
+    return [
+        [0, 17],  # a 2-token prefill
+        [0] + [rng.randrange(2, 4096) for _ in range(15)],
+        long,
+        # Shares 121 tokens with `long`: the radix cache turns this into an extend on a
+        # cached prefix, the third attention situation besides plain prefill and decode.
+        long + [rng.randrange(2, 4096) for _ in range(9)],
+    ]
+
+
+PROMPTS = _prompts()
+
+Served = list[tuple[list[int], list[float], list[list[float]]]]
+
+
+def served(server: Server, prompts: list[list[int]] = PROMPTS,
+           new_tokens: int = NEW_TOKENS) -> Served:
+    """(tokens, chosen logprobs, top-k logprob values per step) for every prompt, sent one at a
+    time in order (so the extend prompt finds its prefix cached)."""
+    results = []
+    for prompt in prompts:
+        out = server.post("/generate", {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+            "top_logprobs_num": TOP_K,
+        })
+        meta = out["meta_info"]
+        tokens = [t[1] for t in meta["output_token_logprobs"]]
+        chosen = [t[0] for t in meta["output_token_logprobs"]]
+        top = [[t[0] for t in step] for step in meta["output_top_logprobs"]]
+        results.append((tokens, chosen, top))
+    return results
+
+
+def assert_matches_reference(results: Served, reference, prompts: list[list[int]] = PROMPTS,
+                             new_tokens: int = NEW_TOKENS) -> float:
+    """Greedy tokens equal to the reference's, and the chosen and top-k logprobs at every step
+    within LOGPROB_ATOL; returns the largest chosen-logprob difference."""
+    assert len(results) == len(prompts)
+    worst = 0.0
+    for prompt, (tokens, chosen, top) in zip(prompts, results):
+        ref_tokens, ref_chosen = reference.greedy(prompt, new_tokens)
+        assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens: greedy tokens differ"
+        diff = max(abs(a - b) for a, b in zip(chosen, ref_chosen))
+        assert diff <= LOGPROB_ATOL, (len(prompt), diff)
+        worst = max(worst, diff)
+        # The whole top of the distribution, not only the winner, at every decode step.
+        with torch.no_grad():
+            logits = reference(torch.tensor(prompt + ref_tokens[:-1]))
+        ref_top = torch.log_softmax(logits[len(prompt) - 1:].float(), -1).topk(len(top[0])).values
+        assert torch.allclose(torch.tensor(top), ref_top, atol=LOGPROB_ATOL, rtol=0)
+    return worst
