@@ -122,12 +122,24 @@ def test_side_max_ctas_must_be_positive(probe):
 
 
 def test_gpu_overlap_turns_prefill_graphs_off_unless_chosen():
-    from sglang_farskip.launch_server import gpu_overlap_graph_args
+    """The launcher reads the user's flags with SGLang's own parser, so the `=` form, the alias
+    --disable-prefill-cuda-graph and abbreviations count as a choice just like the plain flag."""
+    from sglang_farskip.launch_server import GivenArgs, gpu_overlap_graph_args
 
-    assert gpu_overlap_graph_args(["--tp", "8"]) == ["--tp", "8", "--cuda-graph-backend-prefill", "disabled"]
+    model = ["--model-path", "/m"]
+    assert gpu_overlap_graph_args(GivenArgs([*model, "--tp", "8"])) == ["--cuda-graph-backend-prefill", "disabled"]
     for chosen in (["--cuda-graph-backend-prefill", "breakable"], ["--cuda-graph-backend-prefill=full"],
-                   ["--disable-cuda-graph"]):
-        assert gpu_overlap_graph_args(chosen) == chosen
+                   ["--disable-cuda-graph"], ["--disable-prefill-cuda-graph"], ["--cuda-graph-backend-pre=full"]):
+        assert gpu_overlap_graph_args(GivenArgs([*model, *chosen])) == [], chosen
+
+
+def test_given_args_resolve_aliases_and_forms():
+    from sglang_farskip.launch_server import GivenArgs
+
+    given = GivenArgs(["--model", "/m", "--tp=4", "--device=cpu"])
+    assert given.get("--model-path") == "/m" and given.get("--tp-size") == 4 and given.get("--device") == "cpu"
+    assert "--nnodes" not in given and given.get("--nnodes", 1) == 1
+    assert "--max-total-tokens" not in given and "--attention-backend" not in given
 
 
 # ------------------------------------------------------------------ bench/device_check.py on a CPU
@@ -183,13 +195,15 @@ def test_device_check_workload_covers_the_issue_cases(device_check):
 
 
 def test_device_check_servers_force_the_side_stream_except_sync(device_check):
+    from sglang_farskip.launch_server import _split_own_flags
+
     for variant in device_check.SERVER_VARIANTS:
         argv = device_check.server_argv("/m", variant, 1234)
         forced = "--farskip-test-force-side-stream" in argv
         assert forced == (variant != "sync")
         if forced:
             assert "--farskip-gpu-overlap" in argv
-            own, _ = L._split_own_flags(argv)
+            own, _ = _split_own_flags(argv)
             assert own.farskip_test_force_side_stream and own.farskip_gpu_overlap
     assert ("overlap", "sync", 0.0) in device_check.SERVER_CHECKS
 

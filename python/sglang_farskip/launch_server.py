@@ -310,14 +310,17 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
                           "backend (--attention-backend) chooses the MLA prefill path: remove the flag")
     if own.farskip_profile_dir:
         os.makedirs(own.farskip_profile_dir, exist_ok=True)
-    opts = RuntimeOptions(
-        mode=FarSkipMode.parse(own.farskip_mode or FarSkipMode.OVERLAP.value),
-        gpu_overlap=own.farskip_gpu_overlap,
-        side_max_ctas=own.farskip_side_max_ctas,
-        profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None,
-        cpu_attention=own.farskip_cpu_attention,
-        force_side_stream=own.farskip_test_force_side_stream,
-    )
+    try:
+        opts = RuntimeOptions(
+            mode=own.farskip_mode or FarSkipMode.OVERLAP,
+            gpu_overlap=own.farskip_gpu_overlap,
+            side_max_ctas=own.farskip_side_max_ctas,
+            profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None,
+            cpu_attention=own.farskip_cpu_attention,
+            force_side_stream=own.farskip_test_force_side_stream,
+        )
+    except FarSkipConfigError as e:
+        raise LaunchError(str(e)) from None
     if on_cpu:
         argv = argv + _cpu_setup(given)
         _check_stand_in()
