@@ -115,14 +115,16 @@ def test_csv_plots_and_report_exist_and_parse(two_levels):
     assert "Machine:" in md and "FarSkip mode `overlap`" in md and "![TTFT" in md
 
 
-# Through the delaying proxy every response head, so every first token, leaves DELAY_S after
-# the server sent it: a delayed TTFT is DELAY_S at least, whatever the load. Direct p50 TTFTs
-# measured here: 0.15-0.6 s idle, at most 1.7 s with two busy loops and other tests beside it
-# on this 2-core machine. 3 s keeps every delayed TTFT above that worst case with room.
-DELAY_S = 3.0
-# delayed/direct TTFT p50 >= DELAY_S / direct p50, so at worst 3 / 1.7 = 1.76 in what was
-# measured (2.1-18.6 over three busy runs); 1.5 still holds for a direct p50 up to 2 s. Swapped
-# labels give a ratio below 1, a proxy that adds no delay one near 1: both fail.
+# Through the delaying proxy every response head, so every first token, reaches the client
+# DELAY_S after the server sent it: a delayed TTFT is DELAY_S at least, however loaded the
+# machine. Direct TTFT p50s measured on this 2-core machine: 0.15-0.6 s idle; with two busy
+# loops and other test runs beside it, up to 3.3 s (one request up to 3.7 s). At 3 s of delay
+# one such run in ten failed the bound below; 8 s leaves room.
+DELAY_S = 8.0
+# delayed / direct p50 = (DELAY_S + the delayed side's own TTFT) / direct p50: at least
+# 8 / 3.3 = 2.4 in the worst measured; 1.5 fails only for a direct p50 above 5.3 s, 60 % beyond
+# that worst. Swapped labels give a ratio below 1; a proxy that adds no delay fails the
+# DELAY_S floor checked first.
 MIN_TTFT_RATIO = 1.5
 
 
@@ -200,14 +202,16 @@ def test_ab_ratios_point_from_the_slow_server_to_the_fast_one(ab_run):
 def test_saved_runs_compare_in_the_right_direction(two_levels, delayed, tmp_path):
     # The same workload as two_levels (the direct side), this time through the delaying proxy.
     slow = tmp_path / "slow"
-    r = run_load("--url", delayed.url, "--concurrency", "1,3", "--duration", "3", "--max-tokens", str(MAX_TOKENS),
+    # Level 1 only: a saved comparison covers the levels both runs have, and each delayed
+    # level costs DELAY_S at least.
+    r = run_load("--url", delayed.url, "--concurrency", "1", "--duration", "3", "--max-tokens", str(MAX_TOKENS),
                  "--input-len", "32", "--out", str(slow))
     assert r.returncode == 0, r.stdout + r.stderr
     r = run_load("--saved", f"delayed={slow}", "--saved", f"direct={two_levels}", "--out", str(tmp_path / "ab"))
     assert r.returncode == 0, r.stderr
     assert "different workloads" not in r.stderr
     res = json.loads((tmp_path / "ab" / "results.json").read_text())
-    _assert_delayed_over_direct(res, (tmp_path / "ab" / "report.md").read_text(), [1, 3])
+    _assert_delayed_over_direct(res, (tmp_path / "ab" / "report.md").read_text(), [1])
     assert "Compared from saved runs" in res["note"]
     assert (tmp_path / "ab" / "ab_ratios.csv").exists() and (tmp_path / "ab" / "itl.png").exists()
 
