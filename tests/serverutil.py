@@ -4,6 +4,7 @@ and run the launcher on input it must refuse (`launch`, `assert_fails`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240  # a CPU start is 25-45 s here; CI machines are slower when busy
 
+# Test servers run upstream's one torch.compile'd function on this path eagerly: SGLang's CPU
+# MoE router (`biased_grouped_topk_impl`, sglang/srt/layers/moe/topk.py) is compiled with
+# inductor on the first forward of every rank, about 7 CPU-seconds each; over the suite's ~70
+# rank starts that was ~4 minutes of CI. The eager function is the same math (and what the
+# reference compares with). The servers of tests/test_docker.py and the deployments of
+# tests/test_deploy_two_nodes.py run it compiled, as users do (`Server(..., eager=False)`).
+EAGER = {"TORCHDYNAMO_DISABLE": "1"}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,12 +36,12 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, args: list[str], *, stock: bool = False, env: dict | None = None,
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, eager: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         module = "sglang.launch_server" if stock else "sglang_farskip.launch_server"
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *args]
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**os.environ, **(EAGER if eager else {}), **(env or {})}
         if stock:
             # Stock SGLang on CPU: SGLang's own launcher, only our CPU-fix plugin, the same
             # environment our launcher would set.
@@ -103,6 +112,23 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def side_by_side(runs: dict[str, dict], timeout: float = START_TIMEOUT_S):
+    """Start several servers at once (each `runs` value is Server's keyword arguments) and
+    yield {name: Server} once every one answers; all are killed on the way out.
+
+    Why: a CPU start here is 25-45 s, mostly one Python process at a time importing SGLang, so
+    one start keeps about one of the two cores busy; starts side by side overlap. Give each
+    server one OpenMP thread (parity.ONE_THREAD): more threads than cores made TP=2 about 3x
+    slower here.
+    """
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(Server(**kwargs)) for name, kwargs in runs.items()}
+        for server in servers.values():
+            server.wait_ready(timeout)
+        yield servers
 
 
 # ------------------------------------------------------------------ a launch expected to fail

@@ -37,7 +37,7 @@ def test_cpu_environment_splits_cores_between_ranks():
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1" and env["OMP_NUM_THREADS"] == "1"
     env = cpu_environment(ranks_on_this_node=1, cores=8)
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0-7" and "OMP_NUM_THREADS" not in env
-    assert cpu_environment(4, 2)["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1|1|1"
+    assert cpu_environment(4, 2)["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1|0|1"
 
 
 def test_fixes_in_a_fresh_sglang_process():

@@ -224,7 +224,9 @@ def startup_failures(startup_failures_launched):
 @pytest.fixture(scope="module")
 def single_node(model, log_dir, startup_failures_launched):
     """Greedy output of a single-node TP=1 server on the same checkpoint, float32."""
-    with Server(["--model-path", model, *FLOAT32], env=ONE_THREAD, log_path=log_dir / "tp1.log") as server:
+    # Compiled router (eager=False), as the deployment runs it.
+    with Server(["--model-path", model, *FLOAT32], env=ONE_THREAD, log_path=log_dir / "tp1.log",
+                eager=False) as server:
         server.wait_ready()
         completion = netns.run_client(server.url, COMPLETION, "/v1/completions", 120)
         ids, logprobs = generated(server.post("/generate", GENERATE))

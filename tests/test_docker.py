@@ -223,7 +223,7 @@ def demo(images):
                       profiles=("cpu", "loadtest"))
     project.down()
     try:
-        with Server(DEMO_FLAGS) as venv:
+        with Server(DEMO_FLAGS, eager=False) as venv:  # compiled, as in the container
             project.run("up", "-d", "demo-cpu", timeout=300)
             project.healthy_s = wait_healthy(project, "demo-cpu")
             venv.wait_ready()

@@ -4,12 +4,14 @@ within a bounded time, and no server left behind."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from sglang_farskip.demo_model import ensure_demo_checkpoint
 
-from serverutil import assert_fails, launch
+from serverutil import TIME_BOUND_S, assert_fails, launch
 
 
 def write_config(path, **overrides) -> str:
@@ -20,54 +22,110 @@ def write_config(path, **overrides) -> str:
     return str(path)
 
 
-def test_missing_model_path(tmp_path):
-    assert_fails(launch(["--model-path", str(tmp_path / "nope")]), "does not exist", "--model-path")
+# Every refusal below is the launcher's prepare() raising before anything starts; each takes
+# SGLang's argument parser (its import is ~11 s here), so one subprocess imports it once and
+# tries every case in turn, each in a fresh copy of the environment. main() turns that error
+# into the `error:` line and exit code 2: test_refusal_is_one_error_line_and_exit_2 checks that
+# on a real launch.
+_TRY_EACH = r"""
+import json, os, sys
+from unittest import mock
+from sglang_farskip import launch_server as L
+out = {}
+for name, argv in json.load(sys.stdin).items():
+    with mock.patch.dict(os.environ):
+        try:
+            L.prepare(argv)
+            out[name] = None
+        except (L.LaunchError, L.FarSkipConfigError) as e:
+            out[name] = str(e)
+print("RESULTS " + json.dumps(out))
+"""
+
+BAD_CONFIGS = {
+    "empty_range": ({"farskip_start_idx": 3, "farskip_end_idx": 1}, ["empty FarSkip layer range", "farskip_end_idx"]),
+    "range_past_end": ({"farskip_start_idx": 9}, ["no layer would be converted", "farskip_start_idx"]),
+    "both_only": ({"attn_only_farskip": True, "mlp_only_farskip": True}, ["both true", "at most one"]),
+    "not_a_bool": ({"farskip": "yes"}, ["must be true or false"]),
+    "other_arch": ({"architectures": ["LlamaForCausalLM"]}, ["LlamaForCausalLM", "DeepseekV3ForCausalLM and InstellaMoEForCausalLM only"]),
+}
+UNSUPPORTED = {
+    "tbo_deepep": (["--enable-two-batch-overlap", "--moe-a2a-backend", "deepep"], "--moe-a2a-backend none"),
+    "pp": (["--pp-size", "2"], "--pp-size 1"),
+    "shared_fusion": (["--enforce-shared-experts-fusion"], "drop --enforce-shared-experts-fusion"),
+}
 
 
-def test_model_path_is_a_file(tmp_path):
-    f = tmp_path / "weights.bin"
-    f.write_text("x")
-    assert_fails(launch(["--model-path", str(f)]), "is not a directory")
-
-
-def test_missing_config_json(tmp_path):
-    assert_fails(launch(["--model-path", str(tmp_path)]), "has no config.json")
-
-
-def test_unparseable_config_json(tmp_path):
-    (tmp_path / "config.json").write_text("{not json")
-    assert_fails(launch(["--model-path", str(tmp_path)]), "not valid JSON")
-
-
-def test_unreadable_config_json(tmp_path):
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, str | None]:
+    """{case: the launcher's error message, or None if it accepted the input}."""
+    root = tmp_path_factory.mktemp("refusals")
+    (root / "weights.bin").write_text("x")
+    for name in ("no_config", "bad_json", "unreadable"):
+        (root / name).mkdir()
+    (root / "bad_json" / "config.json").write_text("{not json")
     # Tests run as root, so chmod cannot make a file unreadable; a directory named
     # config.json fails the read the same way (EISDIR).
-    (tmp_path / "config.json").mkdir()
-    assert_fails(launch(["--model-path", str(tmp_path)]), "cannot read")
+    (root / "unreadable" / "config.json").mkdir()
+    demo = str(ensure_demo_checkpoint())
+    cases = {
+        "missing_model_path": ["--model-path", str(root / "nope")],
+        "model_path_is_a_file": ["--model-path", str(root / "weights.bin")],
+        "missing_config_json": ["--model-path", str(root / "no_config")],
+        "unparseable_config_json": ["--model-path", str(root / "bad_json")],
+        "unreadable_config_json": ["--model-path", str(root / "unreadable")],
+        **{name: ["--model-path", write_config(root / name, **overrides)]
+           for name, (overrides, _) in BAD_CONFIGS.items()},
+        **{name: ["--model-path", demo, *flags] for name, (flags, _) in UNSUPPORTED.items()},
+    }
+    proc = subprocess.run([sys.executable, "-c", _TRY_EACH], input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=4 * TIME_BOUND_S)  # 13 cases, ~45 s here
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[0].removeprefix("RESULTS "))
 
 
-@pytest.mark.parametrize("overrides, fragments", [
-    ({"farskip_start_idx": 3, "farskip_end_idx": 1}, ["empty FarSkip layer range", "farskip_end_idx"]),
-    ({"farskip_start_idx": 9}, ["no layer would be converted", "farskip_start_idx"]),
-    ({"attn_only_farskip": True, "mlp_only_farskip": True}, ["both true", "at most one"]),
-    ({"farskip": "yes"}, ["must be true or false"]),
-    ({"architectures": ["LlamaForCausalLM"]}, ["LlamaForCausalLM", "DeepseekV3ForCausalLM and InstellaMoEForCausalLM only"]),
-])
-def test_bad_farskip_config(tmp_path, overrides, fragments):
-    proc = launch(["--model-path", write_config(tmp_path, **overrides)])
-    assert_fails(proc, *fragments)
+def assert_refused(message: str | None, *fragments: str) -> None:
+    assert message is not None, "the launcher accepted it"
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_missing_model_path(refused):
+    assert_refused(refused["missing_model_path"], "does not exist", "--model-path")
+
+
+def test_model_path_is_a_file(refused):
+    assert_refused(refused["model_path_is_a_file"], "is not a directory")
+
+
+def test_missing_config_json(refused):
+    assert_refused(refused["missing_config_json"], "has no config.json")
+
+
+def test_unparseable_config_json(refused):
+    assert_refused(refused["unparseable_config_json"], "not valid JSON")
+
+
+def test_unreadable_config_json(refused):
+    assert_refused(refused["unreadable_config_json"], "cannot read")
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_farskip_config(refused, case):
+    assert_refused(refused[case], *BAD_CONFIGS[case][1])
+
+
+@pytest.mark.parametrize("case", list(UNSUPPORTED))
+def test_unsupported_flag_combination(refused, case):
+    assert_refused(refused[case], "FarSkip cannot run", UNSUPPORTED[case][1])
+
+
+def test_refusal_is_one_error_line_and_exit_2(tmp_path):
+    proc = launch(["--model-path", write_config(tmp_path, farskip_start_idx=9)])
+    assert_fails(proc, "no layer would be converted", "farskip_start_idx")
     # Refused before SGLang starts anything: it logs its settings when it launches.
     assert "server_args=" not in proc.stderr, proc.stderr[-2000:]
-
-
-@pytest.mark.parametrize("flags, fragment", [
-    (["--enable-two-batch-overlap", "--moe-a2a-backend", "deepep"], "--moe-a2a-backend none"),
-    (["--pp-size", "2"], "--pp-size 1"),
-    (["--enforce-shared-experts-fusion"], "drop --enforce-shared-experts-fusion"),
-])
-def test_unsupported_flag_combination(flags, fragment):
-    proc = launch(["--model-path", str(ensure_demo_checkpoint()), *flags])
-    assert_fails(proc, "FarSkip cannot run", fragment)
 
 
 def test_unknown_farskip_mode():

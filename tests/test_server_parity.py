@@ -15,8 +15,8 @@ from sglang_farskip import convert
 from sglang_farskip.demo_model import build_checkpoint
 from sglang_farskip.reference import load_reference
 
-from parity import FLOAT32, NEW_TOKENS, PROMPTS, assert_matches_reference, served
-from serverutil import Server
+from parity import FLOAT32, NEW_TOKENS, ONE_THREAD, PROMPTS, assert_matches_reference, served
+from serverutil import side_by_side
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +39,25 @@ EXPECTED_LAYERS = {"all": [0, 1, 2, 3], "range": [2, 3], "attn_only": [0, 1, 2, 
                    "mlp_only": [0, 1, 2, 3]}
 
 
-@pytest.mark.parametrize("variant", ["all", "range", "attn_only", "mlp_only"])
-def test_farskip_server_matches_reference(checkpoints, variant):
-    path = checkpoints[variant]
-    with Server(["--model-path", str(path), *FLOAT32]) as server:
-        server.wait_ready()
-        info = server.get("/farskip/info")
-        results = served(server)
+@pytest.fixture(scope="module")
+def farskip_served(checkpoints):
+    """The four conversions served side by side (serverutil.side_by_side says why), each with
+    its rank report and its served results."""
+    runs = {name: {"args": ["--model-path", str(checkpoints[name]), *FLOAT32], "env": ONE_THREAD}
+            for name in EXPECTED_LAYERS}
+    with side_by_side(runs) as servers:
+        return {name: (s.get("/farskip/info"), served(s)) for name, s in servers.items()}
+
+
+@pytest.mark.parametrize("variant", list(EXPECTED_LAYERS))
+def test_farskip_server_matches_reference(checkpoints, farskip_served, variant):
+    info, results = farskip_served[variant]
     (rank,) = info["ranks"]
     assert rank["model_class"].endswith("FarSkipDeepseekV3ForCausalLM")
     assert rank["inner_model_class"].endswith("FarSkipDeepseekV2Model")
     assert rank["converted_layers"] == EXPECTED_LAYERS[variant]
     assert rank["mode"] == "overlap"
-    assert_matches_reference(results, load_reference(str(path)))
+    assert_matches_reference(results, load_reference(str(checkpoints[variant])))
 
 
 def test_farskip_changes_outputs(checkpoints):
@@ -69,18 +75,20 @@ def test_non_farskip_checkpoint_equals_stock_sglang(checkpoints):
     identical, not merely close."""
     stock_args = ["--device", "cpu", "--attention-backend", "torch_native",
                   "--max-total-tokens", "16384", *FLOAT32]
-    with Server(["--model-path", str(checkpoints["plain"]), *stock_args], stock=True) as stock:
-        stock.wait_ready()
-        expected = served(stock)
-    with Server(["--model-path", str(checkpoints["plain"]), *FLOAT32]) as ours:
-        ours.wait_ready()
-        (rank,) = ours.get("/farskip/info")["ranks"]
+    plain = str(checkpoints["plain"])
+    runs = {  # the same thread count on every side, so that equal means bit for bit
+        "stock": {"args": ["--model-path", plain, *stock_args], "stock": True, "env": ONE_THREAD},
+        "ours": {"args": ["--model-path", plain, *FLOAT32], "env": ONE_THREAD},
+        "off": {"args": ["--model-path", str(checkpoints["all"]), "--farskip-mode", "off", *FLOAT32],
+                "env": ONE_THREAD},
+    }
+    with side_by_side(runs) as servers:
+        expected = served(servers["stock"])
+        (rank,) = servers["ours"].get("/farskip/info")["ranks"]
         assert rank["mode"] == "off" and rank["converted_layers"] == []
         assert rank["inner_model_class"].endswith(".DeepseekV2Model")
-        assert served(ours) == expected
-    with Server(["--model-path", str(checkpoints["all"]), "--farskip-mode", "off", *FLOAT32]) as off:
-        off.wait_ready()
-        assert served(off) == expected
-        assert "outputs are NOT the model's" in off.log_tail(400)
+        assert served(servers["ours"]) == expected
+        assert served(servers["off"]) == expected
+        assert "outputs are NOT the model's" in servers["off"].log_tail(400)
     assert_matches_reference(expected, load_reference(str(checkpoints["plain"])))
 

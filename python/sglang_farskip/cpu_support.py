@@ -56,11 +56,13 @@ def cpu_environment(ranks_on_this_node: int, cores: int) -> dict[str, str]:
     """Environment SGLang's CPU engine needs; callers apply it with setdefault semantics."""
     env = cpu_base_environment()
     # One core set per rank, "0|1" style; SGLang asserts it is set when TP > 1 and pins
-    # each rank's OpenMP threads to its set. Ranks beyond the cores share the last one.
+    # each rank's OpenMP threads to its set. Ranks beyond the cores go round the cores again
+    # (TP=4 on 2 cores: "0|1|0|1"): piling them all on the last core left one core idle
+    # while three ranks queued on the other.
     per_rank = max(1, cores // max(1, ranks_on_this_node))
     sets = []
     for r in range(ranks_on_this_node):
-        first = min(r * per_rank, cores - 1)
+        first = (r * per_rank) % cores
         last = min(first + per_rank - 1, cores - 1)
         sets.append(str(first) if first == last else f"{first}-{last}")
     env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(sets)

@@ -1,0 +1,100 @@
+"""Keep the API keys out of everything SGLang writes down or answers.
+
+SGLang 0.5.23 hides only its watermark secrets. Every place that writes the server's settings
+out goes through one of two functions of `sglang/srt/sampling/watermarking/core.py`:
+- `redact_watermark_secrets(value)`: the start-up `server_args=` log line (entrypoints/engine.py),
+  the answers of `/server_info` and `/get_server_info` (entrypoints/http_server.py), the
+  configuration and requests in a crash dump (managers/tokenizer_manager.py);
+- `redact_watermark_command_line(argv, ...)`: the launch command kept on the ServerArgs
+  (server_args.py, `launch_command`), shown by `/server_info` and written into crash dumps.
+Two more print settings with neither: `ServerArgs.__repr__`, and
+`TokenizerManager._server_args_for_dump`, which hands the ServerArgs object itself to a crash
+dump unless watermarking is on.
+
+`install()` wraps all four with SGLang's own HookRegistry (AROUND hooks, applied by
+`load_plugins()` in every SGLang process, the launcher's included, before any of them runs), so
+that `--api-key` and `--admin-api-key` read `<redacted>` wherever the watermark secrets do.
+Nothing else changes: the running server keeps and checks its keys as before.
+"""
+
+from __future__ import annotations
+
+SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+REDACTED = "<redacted>"
+
+_CORE = "sglang.srt.sampling.watermarking.core"
+
+
+def scrub(value):
+    """`value` with every dict entry named in SECRET_FIELDS that holds a key replaced by
+    REDACTED, at any depth (dicts, lists, tuples); other values are returned as they are."""
+    if isinstance(value, dict):
+        return {k: (REDACTED if k in SECRET_FIELDS and v is not None else scrub(v))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [scrub(item) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _is_secret_flag(word: str) -> bool:
+    """`--api-key`, `--admin-api-key`, or an abbreviation argparse would accept for one."""
+    return word.startswith("--") and len(word) > 2 and any(f.startswith(word) for f in SECRET_FLAGS)
+
+
+def scrub_argv(argv) -> list[str]:
+    """argv with the value of every secret flag (`--api-key KEY`, `--api-key=KEY`, also
+    abbreviated) replaced by REDACTED."""
+    out, hide_next = [], False
+    for word in argv:
+        word = str(word)
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+        elif "=" in word and _is_secret_flag(word.split("=", 1)[0]):
+            out.append(f"{word.split('=', 1)[0]}={REDACTED}")
+        else:
+            out.append(word)
+            hide_next = _is_secret_flag(word)
+    return out
+
+
+def _redact_secrets(original, value, *args, **kwargs):
+    return scrub(original(value, *args, **kwargs))
+
+
+def _redact_command_line(original, argv, *args, **kwargs):
+    return original(scrub_argv(argv), *args, **kwargs)
+
+
+def _repr_without_keys(original, server_args):
+    text = original(server_args)
+    for name in SECRET_FIELDS:
+        value = getattr(server_args, name, None)
+        if value is not None:
+            text = text.replace(f"{name}={value!r}", f"{name}={REDACTED!r}")
+    return text
+
+
+def _dump_without_keys(original, tokenizer_manager):
+    dumped = original(tokenizer_manager)
+    if isinstance(dumped, dict):
+        return scrub(dumped)
+    # The ServerArgs object itself: dump its settings as a dict instead, as upstream does
+    # when watermarking is on (the dump's reader accepts both).
+    return scrub(dumped.resolved_dict())
+
+
+def install() -> None:
+    """Register the four hooks; SGLang's `load_plugins()` applies them."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in (
+        (f"{_CORE}.redact_watermark_secrets", _redact_secrets),
+        (f"{_CORE}.redact_watermark_command_line", _redact_command_line),
+        ("sglang.srt.server_args.ServerArgs.__repr__", _repr_without_keys),
+        ("sglang.srt.managers.tokenizer_manager.TokenizerManager._server_args_for_dump",
+         _dump_without_keys),
+    ):
+        HookRegistry.register(target, hook, HookType.AROUND)
