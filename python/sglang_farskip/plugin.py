@@ -6,7 +6,9 @@ detokenizer), because spawned workers inherit none of a launcher's in-memory cha
 2. puts the FarSkip classes in SGLang's model registry under "DeepseekV3ForCausalLM" and
    "InstellaMoEForCausalLM";
 3. hooks SGLang's model-shape derivation so that "InstellaMoEForCausalLM" gets the MLA KV-cache
-   layout (SGLang recognises MLA from a hard-coded list of architecture names).
+   layout (SGLang recognises MLA from a hard-coded list of architecture names);
+4. hooks SGLang's redaction so that the API keys never reach a log, a crash dump or an HTTP
+   answer (redact.py).
 
 The class is upstream's whenever config.json says `"farskip": false`, so plain DeepSeek-V3
 checkpoints are served exactly as stock SGLang serves them.
@@ -65,7 +67,10 @@ def register() -> None:
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_farskip import redact
+
     register_cpu_support()
+    redact.install()
     for arch, cls in _classes().items():
         ModelRegistry.models[arch] = cls
         logger.info("sglang_farskip: %s -> %s", arch, cls.__qualname__)

@@ -1,0 +1,143 @@
+"""The API keys never leave the server: not in a log line, a process's command line or an answer
+of SGLang's server-info endpoints, whether the key came as `--api-key` or as FARSKIP_API_KEY
+(the entrypoint's way), on one node and on two. And the keys still work.
+
+Before python/sglang_farskip/redact.py, SGLang's start-up `server_args=` line printed both keys
+and `/server_info` and `/get_server_info` returned them; with redact.install() removed from the
+plugin this test fails on the first of those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sglang_farskip.redact import REDACTED, scrub, scrub_argv
+
+from parity import ONE_THREAD
+from serverutil import Server, free_port
+
+# Distinctive, so that a search of a log cannot hit anything else.
+KEY = "sk-farskip-test-key-5f3c9a"
+ADMIN_KEY = "adm-farskip-test-key-81d2e7"
+ENV_KEY = "sk-farskip-env-key-c4b019"
+NODES_KEY = "sk-farskip-nodes-key-7e6a2d"
+ALL_KEYS = (KEY, ADMIN_KEY, ENV_KEY, NODES_KEY)
+
+
+# ------------------------------------------------------------------ the redaction itself
+def test_argv_secrets_are_redacted_in_every_form():
+    argv = ["--api-key", "k1", "--admin-api-key=k2", "--api-k", "k3", "--port", "30000",
+            "--model-path", "/m", "--api-key=--dash-k4"]
+    out = scrub_argv(argv)
+    assert out == ["--api-key", REDACTED, f"--admin-api-key={REDACTED}", "--api-k", REDACTED,
+                   "--port", "30000", "--model-path", "/m", f"--api-key={REDACTED}"]
+
+
+def test_settings_are_redacted_at_any_depth_and_unset_keys_stay_none():
+    settings = {"api_key": "k1", "admin_api_key": None, "port": 1,
+                "nested": [{"api_key": "k2"}, ("x", {"admin_api_key": "k3"})]}
+    assert scrub(settings) == {"api_key": REDACTED, "admin_api_key": None, "port": 1,
+                               "nested": [{"api_key": REDACTED}, ("x", {"admin_api_key": REDACTED})]}
+
+
+# ------------------------------------------------------------------ real servers
+def fetch(url: str, key: str | None) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def process_tree_cmdlines(root_pid: int) -> dict[int, str]:
+    """Command line of the launcher and every process of its session (start_new_session)."""
+    sid = os.getsid(root_pid)
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            if os.getsid(pid) != sid:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ProcessLookupError):
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    """Two single-node servers (key as a flag with an admin key, key in the environment) and a
+    two-node TP=2 deployment on loopback (key in the environment of both), all started at once.
+    For each: what its endpoints answered and the command lines of its processes, read while it
+    serves, and its whole log once it has stopped."""
+    addr = f"127.0.0.1:{free_port()}"
+    two_nodes = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "60"]
+    runs = {
+        "flag": (["--api-key", KEY, "--admin-api-key", ADMIN_KEY], {}),
+        "env": ([], {"FARSKIP_API_KEY": ENV_KEY}),
+        "node0": ([*two_nodes, "--node-rank", "0"], {"FARSKIP_API_KEY": NODES_KEY}),
+        "node1": ([*two_nodes, "--node-rank", "1"], {"FARSKIP_API_KEY": NODES_KEY}),
+    }
+    seen = {}
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(Server(args, env={**ONE_THREAD, **env}))
+                   for name, (args, env) in runs.items()}
+        for name in ("flag", "env", "node0"):  # node 1 serves no HTTP
+            servers[name].wait_ready()
+        for name, server in servers.items():
+            seen[name] = {"cmdlines": process_tree_cmdlines(server.proc.pid),
+                          "launcher": server.proc.pid, "server": server}
+            if name == "node1":
+                continue
+            key = {"flag": KEY, "env": ENV_KEY}.get(name, NODES_KEY)
+            seen[name]["answers"] = {path: fetch(server.url + path, key) for path in
+                                     ("/server_info", "/get_server_info", "/farskip/info", "/v1/models")}
+            seen[name]["without_key"] = fetch(server.url + "/v1/models", None)[0]
+    for entry in seen.values():
+        entry["log"] = entry.pop("server").log_path.read_bytes()
+    return seen
+
+
+def test_the_keys_still_guard_the_api(keyed):
+    for name in ("flag", "env", "node0"):
+        assert keyed[name]["without_key"] == 401, name
+        for path, (status, body) in keyed[name]["answers"].items():
+            assert status == 200, (name, path, status, body[:300])
+
+
+@pytest.mark.parametrize("name", ["flag", "env", "node0"])
+def test_no_key_in_server_info_answers(keyed, name):
+    for path, (_, body) in keyed[name]["answers"].items():
+        for key in ALL_KEYS:
+            assert key.encode() not in body, (name, path)
+    info = keyed[name]["answers"]["/server_info"][1].decode()
+    assert f'"api_key":"{REDACTED}"' in info.replace(" ", ""), info[:500]
+
+
+@pytest.mark.parametrize("name", ["flag", "env", "node0", "node1"])
+def test_no_key_in_any_log_line(keyed, name):
+    log = keyed[name]["log"]
+    assert b"server_args=" in log or name == "node1", "the settings line this test searches is gone"
+    for key in ALL_KEYS:
+        assert key.encode() not in log, (name, key)
+
+
+@pytest.mark.parametrize("name", ["flag", "env", "node0", "node1"])
+def test_no_key_on_a_command_line_but_the_users_own(keyed, name):
+    cmdlines = keyed[name]["cmdlines"]
+    assert len(cmdlines) >= 3, cmdlines  # launcher, scheduler(s), detokenizer
+    for pid, cmdline in cmdlines.items():
+        if name == "flag" and pid == keyed[name]["launcher"]:
+            assert KEY in cmdline  # the user typed it there; nothing can take it back
+            continue
+        for key in ALL_KEYS:
+            assert key not in cmdline, (name, pid, cmdline[:300])
