@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import sys
 import time
@@ -49,6 +50,10 @@ def _add_arguments(parser):
     group.add_argument("--model", default="default", help="the model name sent to /v1/completions")
     group.add_argument("--keep-alive", action="store_true",
                        help="reuse each user's connection (default: a new one per request, as sglang's client)")
+    # The key comes from the environment by default, as deploy/entrypoint.sh takes it: a key on
+    # a command line shows in `ps` and in the compose file.
+    group.add_argument("--api-key", default=os.environ.get("API_KEY", ""),
+                       help="sent as 'Authorization: Bearer KEY' (default: $API_KEY; none when empty)")
 
 
 class _Run:
@@ -198,7 +203,7 @@ def new_record(endpoint: str, prompt: dict, max_tokens: int) -> dict:
 
 
 def stream_request(session, base_url: str, endpoint: str, prompt: dict, rec: dict,
-                   model: str = "default", timeout: float = 300.0) -> dict:
+                   model: str = "default", timeout: float = 300.0, api_key: str = "") -> dict:
     """Send one streaming request, filling in and returning `rec` (from new_record)."""
     max_tokens = rec["expected_tokens"]
     body = request_body(endpoint, prompt, max_tokens, model)
@@ -209,7 +214,9 @@ def stream_request(session, base_url: str, endpoint: str, prompt: dict, rec: dic
     tokens = 0
     done = False
     try:
-        with session.post(base_url + PATHS[endpoint], json=body, stream=True, timeout=(5.0, timeout)) as resp:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        with session.post(base_url + PATHS[endpoint], json=body, headers=headers, stream=True,
+                          timeout=(5.0, timeout)) as resp:
             rec["status"] = resp.status_code
             if resp.status_code != 200:
                 raise _StreamFailure(f"HTTP {resp.status_code}: {resp.text[:300].strip()}")
@@ -339,7 +346,7 @@ class StreamingUser(User):
         session = self.session or _session()
         try:
             stream_request(session, self.host.rstrip("/"), self.opts.endpoint, prompt, rec,
-                           self.opts.model, self.opts.request_timeout)
+                           self.opts.model, self.opts.request_timeout, self.opts.api_key)
         except gevent.GreenletExit:
             self._write(rec)  # killed mid-request: accounted for as a failure, never dropped
             self._report(rec)

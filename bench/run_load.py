@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     work.add_argument("--keep-alive", action="store_true",
                       help="reuse connections (default: one per request, as sglang.benchmark.serving)")
     work.add_argument("--write-prompts", metavar="FILE", help="write the text-dataset prompts and exit")
+    p.add_argument("--api-key", default=os.environ.get("API_KEY") or None,
+                   help="the servers' API key, sent as 'Authorization: Bearer KEY' (default: $API_KEY); "
+                        "handed to locust in its environment, not on its command line")
     p.add_argument("--out", help="output directory (default bench-results/<time>)")
     p.add_argument("--title", help="report title")
     p.add_argument("--allow-failures", action="store_true", help="exit 0 even if requests failed")
@@ -173,7 +176,8 @@ def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_a
     hard_limit = run_time + args.stop_timeout + 60
     interrupted = False
     with open(f"{stem}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, "API_KEY": args.api_key or ""}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             _show_progress(label, concurrency, records, proc, started, args, hard_limit)
         except (Interrupted, KeyboardInterrupt):
@@ -257,7 +261,7 @@ def workload_line(args) -> str:
 def run(args) -> dict:
     for label, url in args.targets:
         check_reachable(label, url)
-    facts = {label: server_facts(url) for label, url in args.targets}
+    facts = {label: server_facts(url, args.api_key) for label, url in args.targets}
     tok_path = args.tokenizer or facts[args.targets[0][0]].get("tokenizer_path")
     if not tok_path or not Path(tok_path).exists():
         raise BenchError(f"the server's tokenizer {tok_path!r} is not on this machine: pass --tokenizer DIR")
@@ -353,7 +357,7 @@ def write_prompts_only(args) -> None:
         if not args.targets:
             raise BenchError("--write-prompts needs --tokenizer DIR (or --url to ask the server for its tokenizer)")
         check_reachable(*args.targets[0])
-        tok = workload.load_tokenizer(server_facts(args.targets[0][1]).get("tokenizer_path") or "")
+        tok = workload.load_tokenizer(server_facts(args.targets[0][1], args.api_key).get("tokenizer_path") or "")
     prompts = workload.text_prompts(tok, args.dataset_path, args.input_len)
     workload.write_prompts(prompts, args.write_prompts)
     print(f"wrote {len(prompts)} prompts to {args.write_prompts}")

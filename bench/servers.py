@@ -17,8 +17,14 @@ class BenchError(Exception):
     """Bad input or an unusable server: printed as one `error:` line, exit code 2."""
 
 
-def _get_json(url: str, timeout: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """What a server started with an API key wants on every request but /health* and /metrics."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _get_json(url: str, api_key: str | None = None, timeout: float = 5.0):
+    with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers(api_key)),
+                                timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -36,19 +42,19 @@ def check_reachable(label: str, url: str) -> None:
                          "(python -m sglang_farskip.launch_server --port PORT) or fix the URL") from None
 
 
-def server_facts(url: str) -> dict:
+def server_facts(url: str, api_key: str | None = None) -> dict:
     """What the report says about a server; each source is optional (stock SGLang has no
     /farskip/info, other servers have neither)."""
     facts: dict = {"url": url}
     try:
-        info = _get_json(url + "/get_server_info")
+        info = _get_json(url + "/get_server_info", api_key)
         for key in ("version", "model_path", "tokenizer_path", "device", "tp_size", "stream_interval",
                     "max_running_requests", "enable_metrics", "sleep_on_idle", "disable_radix_cache"):
             facts[key] = info.get(key)
     except (urllib.error.URLError, OSError, ValueError):
         pass
     try:
-        fs = _get_json(url + "/farskip/info")
+        fs = _get_json(url + "/farskip/info", api_key)
         rank = (fs.get("ranks") or [{}])[0]
         facts["farskip_mode"] = rank.get("mode")
         facts["farskip"] = rank.get("description")
@@ -90,13 +96,18 @@ def warm_up(url: str, args, n: int) -> None:
         else:
             path, body = "/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0}
         req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **auth_headers(getattr(args, "api_key", None))})
         try:
             with urllib.request.urlopen(req, timeout=args.request_timeout) as r:
                 r.read()
         except urllib.error.HTTPError as e:
+            fix = ""
+            if e.code == 401:
+                fix = ("; the server wants an API key: pass --api-key or set API_KEY" if not getattr(args, "api_key", None)
+                       else "; the API key given (--api-key or API_KEY) is not the server's")
             raise BenchError(f"warm-up request to {url}{path} failed: HTTP {e.code} "
-                             f"{e.read()[:300].decode(errors='replace')}") from None
+                             f"{e.read()[:300].decode(errors='replace')}{fix}") from None
         except (urllib.error.URLError, OSError) as e:
             raise BenchError(f"warm-up request to {url}{path} failed ({getattr(e, 'reason', e)}); "
                              "check the server's log, or skip warm-up with --warmup 0") from None

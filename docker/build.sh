@@ -48,6 +48,16 @@ if ((print)); then
   echo
   exit 0
 fi
+# The ROCm base is tagged with its build date (vX.Y.Z-rocm724-mi30x-YYYYMMDD), which could not be
+# looked up where versions.env was written: until someone pins the real tag (or a digest),
+# building from the undated name would fail late inside docker, or pull something unpinned.
+if [[ "$flavour" == rocm && " $* " != *" SGLANG_ROCM_IMAGE="* && " $* " != *" --build-arg=SGLANG_ROCM_IMAGE="* ]] &&
+  [[ ! "${version[SGLANG_ROCM_IMAGE]}" =~ (-[0-9]{8}|@sha256:[0-9a-f]{64})$ ]]; then
+  echo "error: $versions: SGLANG_ROCM_IMAGE=${version[SGLANG_ROCM_IMAGE]} is not a dated tag or digest;" \
+    "set it to the published v${version[SGLANG_VERSION]} tag (lmsysorg/sglang-rocm:v${version[SGLANG_VERSION]}-rocm724-mi30x-YYYYMMDD," \
+    "from Docker Hub), or pass --build-arg SGLANG_ROCM_IMAGE=IMAGE" >&2
+  exit 2
+fi
 if ! command -v docker >/dev/null 2>&1; then
   echo "error: docker is not installed; install Docker Engine (or run with --print)" >&2
   exit 2

@@ -308,6 +308,18 @@ def test_build_script_passes_exactly_the_versions(platform):
     assert argv[argv.index("-t") + 1] == f"sglang-farskip:{versions()['FARSKIP_VERSION']}-{platform}"
 
 
+def test_rocm_build_stops_on_the_undated_base_tag():
+    """Until versions.env holds the ROCm base's real (dated) tag, a build says so in one line
+    instead of failing inside docker; --print still shows the command."""
+    if re.search(r"(-\d{8}|@sha256:[0-9a-f]{64})$", versions()["SGLANG_ROCM_IMAGE"]):
+        pytest.skip("SGLANG_ROCM_IMAGE is pinned to a dated tag or digest")
+    proc = run([str(DOCKER / "build.sh"), "rocm"])
+    assert proc.returncode == 2
+    errors = proc.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error:"), proc.stderr
+    assert "SGLANG_ROCM_IMAGE" in errors[0] and "YYYYMMDD" in errors[0] and "--build-arg" in errors[0]
+
+
 def test_versions_file_matches_the_project_pins():
     v = versions()
     pyproject = (ROOT / "pyproject.toml").read_text()
