@@ -204,6 +204,51 @@ def test_torchrun_fsdp2_killed_and_resumed_matches_one_process(trained, teacher,
     assert (out / "model.safetensors").is_file()
 
 
+# Interrupted at each kind of point and resumed (in this process: the crash is raised where a
+# kill would land, fcsd/trainer.py CRASH_ENV, so the run's files are left as a kill leaves them):
+# - step:5, before the first checkpoint (--save-every 8): no last/, only the step-0 best/;
+# - step:12, between the step-8 checkpoint and the step-16 evaluation;
+# - eval:16, in the last evaluation, after it wrote a new best/: best/ is then newer than last/.
+#   Resumed with a time budget already spent, the run stops after step 9, long before it could
+#   find that student again: the output must still be best/'s step-16 student, labelled 16 (the
+#   best step comes from best/ itself, not from last/'s older record).
+# Everything compared must equal the uninterrupted run's exactly: the same process, threads,
+# data order and restored optimizer state leave no source of difference.
+@pytest.mark.parametrize("crash", ["step:5", "step:12", "eval:16"])
+def test_interrupted_anywhere_resumes_to_the_uninterrupted_result(crash, trained, teacher, corpus, tmp_path,
+                                                                  monkeypatch):
+    from safetensors.torch import load_file
+
+    from sglang_farskip.fcsd.trainer import BEST_META, CRASH_ENV, SimulatedCrash
+
+    out, state = tmp_path / "student", tmp_path / "student.fcsd-state"
+    monkeypatch.setenv(CRASH_ENV, crash)
+    with pytest.raises(SimulatedCrash):
+        main([str(teacher), str(corpus), str(out), *RUN_FLAGS])
+    monkeypatch.delenv(CRASH_ENV)
+    assert (state / "last").exists() == (crash != "step:5")
+    best_step = json.loads((state / "best" / BEST_META).read_text())["step"]
+    assert best_step == {"step:5": 0, "step:12": 8, "eval:16": 16}[crash]
+    # A fresh start would discard the interrupted run: refused, nothing touched.
+    assert main([str(teacher), str(corpus), str(out), *RUN_FLAGS]) == 2
+    budget = ["--time-budget", "1e-9"] if crash == "eval:16" else []
+    assert main([str(teacher), str(corpus), str(out), *RUN_FLAGS, *budget, "--resume"]) == 0
+
+    def runs(path):
+        return [{k: v for k, v in r.items() if k not in ("elapsed_s", "train_s", "tok_per_s")}
+                for r in _records(path) if r["event"] in ("eval", "final")]
+
+    if budget:
+        (final,) = [r for r in _records(out) if r["event"] == "final"]
+        assert final["step"] == 9 and "time budget" in final["stopped"]
+        assert final["output_step"] == runs(trained)[-1]["output_step"] == 16
+    else:
+        assert runs(out) == runs(trained)
+    mine, reference = load_file(out / "model.safetensors"), load_file(trained / "model.safetensors")
+    assert mine.keys() == reference.keys()
+    assert all(torch.equal(mine[k], reference[k]) for k in mine)
+
+
 def _variant(teacher: Path, dst: Path, **config) -> Path:
     dst.mkdir()
     for f in teacher.iterdir():
@@ -214,7 +259,8 @@ def _variant(teacher: Path, dst: Path, **config) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("case", ["not_deepseek", "already_farskip", "fp8", "empty_data", "out_exists", "both_only"])
+@pytest.mark.parametrize("case", ["not_deepseek", "already_farskip", "fp8", "empty_data", "out_exists", "both_only",
+                                  "gated_instella", "softmax_router"])
 def test_bad_input_is_one_error_line(case, teacher, corpus, tmp_path, capsys):
     data, out, flags = corpus, tmp_path / "out", []
     if case == "not_deepseek":
@@ -233,6 +279,13 @@ def test_bad_input_is_one_error_line(case, teacher, corpus, tmp_path, capsys):
     elif case == "out_exists":
         out.mkdir()
         expect = "exists: choose a new path"
+    elif case == "gated_instella":
+        teacher = _variant(teacher, tmp_path / "instella", architectures=["InstellaMoEForCausalLM"],
+                           gated_attention=True)
+        expect = "has no attention gate"
+    elif case == "softmax_router":
+        teacher = _variant(teacher, tmp_path / "softmax", scoring_func="softmax")
+        expect = "routes with scoring_func='sigmoid' only"
     else:
         flags = ["--attn-only", "--mlp-only"]
         expect = "convert nothing"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from .. import checkpoint
 from ..convert import ConvertError, OneLineErrorParser, farskip_from_args, read_source_config
 from ..config import FarSkipConfig
 
@@ -75,6 +76,25 @@ def check_teacher(path: Path) -> dict:
         cfg, _ = read_source_config(path)
     except ConvertError as e:
         raise FCSDError(str(e).replace("convert a checkpoint", "pass a teacher")) from None
+    # The student is transformers' DeepseekV3 built from the teacher's weights: it must start as
+    # exactly the teacher, or the distillation starts from a different model than it serves.
+    arch = checkpoint.architecture(cfg)
+    try:
+        gated = checkpoint.gated_attention(cfg)
+    except checkpoint.CheckpointError as e:
+        raise FCSDError(f"{path}: {e}") from None
+    if arch != checkpoint.DEEPSEEK_V3_ARCH or gated:
+        raise FCSDError(
+            f"{path} is {arch}{' with gated attention' if gated else ''}: FCSD's student (transformers' "
+            f"DeepseekV3) has no attention gate, so it could not start equal to this teacher; Instella-MoE is "
+            f"FarSkip-native already (serve it as it is); FCSD takes {checkpoint.DEEPSEEK_V3_ARCH} checkpoints"
+        )
+    for key, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if cfg.get(key) not in (None, supported):
+            raise FCSDError(
+                f"{path}: {key}={cfg[key]!r}; transformers' DeepseekV3 (the student's modules) routes with "
+                f"{key}={supported!r} only, so the student would not equal the teacher; FCSD cannot train this checkpoint"
+            )
     if cfg.get("farskip") is True:
         raise FCSDError(
             f"{path} is already a FarSkip checkpoint (config.json farskip: true): FCSD needs the original model "

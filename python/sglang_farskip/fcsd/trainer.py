@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -21,6 +22,24 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from .data import Windows
 from .models import EVAL_KEYS, Distiller, Runtime
 from .plot import plot_curves
+
+
+BEST_META = "farskip-best.json"  # inside state/best: the step and objective of those weights
+
+# Test-only fault injection: FARSKIP_FCSD_TEST_CRASH="WHERE:STEP" stops the run at that exact
+# point, as a kill there would (tests/test_fcsd.py interrupts runs with it and resumes them).
+# WHERE is "step" (right after training step STEP) or "eval" (in the evaluation at STEP, after
+# any new best/ is written and before its metrics are logged).
+CRASH_ENV = "FARSKIP_FCSD_TEST_CRASH"
+
+
+class SimulatedCrash(BaseException):
+    """A BaseException, so that nothing on the way out can catch it (nothing catches a kill)."""
+
+
+def _crash_point(where: str, step: int) -> None:
+    if os.environ.get(CRASH_ENV) == f"{where}:{step}":
+        raise SimulatedCrash(f"{CRASH_ENV}={where}:{step}")
 
 
 class Trainer:
@@ -84,18 +103,35 @@ class Trainer:
         state.update(scheduler=self.scheduler.state_dict(), progress=dict(self.progress))
         return state
 
-    def _save(self, name: str, with_optimizer: bool) -> None:
-        """Write state/<name> atomically (written to a temporary name, renamed by rank 0)."""
-        final, tmp = self.state / name, self.state / f"{name}.tmp"
-        if self.rt.main and tmp.exists():
+    def _settle(self, name: str) -> None:
+        """Rank 0: finish a replacement of state/<name> that a kill interrupted. _save renames the
+        old copy to <name>.old before the new one takes its name, so at every moment one whole
+        copy exists under one of the two names; a half-written <name>.tmp is dropped."""
+        final, tmp, old = (self.state / n for n in (name, f"{name}.tmp", f"{name}.old"))
+        if tmp.exists():
             shutil.rmtree(tmp)
+        if old.exists():
+            if final.exists():
+                shutil.rmtree(old)
+            else:
+                old.rename(final)
+
+    def _save(self, name: str, with_optimizer: bool, meta: dict | None = None) -> None:
+        """Write state/<name> atomically: written as <name>.tmp (with `meta` as BEST_META), then
+        renamed by rank 0."""
+        final, tmp, old = (self.state / n for n in (name, f"{name}.tmp", f"{name}.old"))
+        if self.rt.main:
+            self._settle(name)
         self._barrier()
         dcp.save(self._dcp_state(with_optimizer), checkpoint_id=str(tmp))
         self._barrier()
         if self.rt.main:
+            if meta is not None:
+                (tmp / BEST_META).write_text(json.dumps(meta))
             if final.exists():
-                shutil.rmtree(final)
+                final.rename(old)
             tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
         self._barrier()
 
     def _load(self, name: str, with_optimizer: bool) -> None:
@@ -113,7 +149,28 @@ class Trainer:
             dist.barrier()
 
     def resume(self) -> None:
+        """Continue from state/last. A run killed before its first checkpoint has none: it starts
+        over (same seed, same data order, so it ends as the uninterrupted run would). best/ can
+        be newer than last/ (an evaluation after the checkpoint found a better student): the
+        best step and objective are then taken from best/ itself, so that the two always agree."""
+        if self.rt.main:
+            self._settle("last")
+            self._settle("best")
+        self._barrier()
+        if not (self.state / "last").exists():
+            if self.rt.main:
+                print("note: the interrupted run had saved no checkpoint yet (--save-every): starting over",
+                      file=sys.stderr)
+                shutil.rmtree(self.state / "best", ignore_errors=True)
+                for leftover in ("metrics.jsonl", "curves.png"):
+                    (self.state / leftover).unlink(missing_ok=True)
+            self._barrier()
+            return
         self._load("last", with_optimizer=True)
+        best = self.state / "best" / BEST_META
+        if best.exists():
+            meta = json.loads(best.read_text())
+            self.progress["best"], self.progress["best_step"] = meta["objective"], meta["step"]
         metrics = self.state / "metrics.jsonl"
         if self.rt.main and metrics.exists():  # drop what the interrupted run logged after its checkpoint
             kept = [line for line in metrics.read_text().splitlines()
@@ -147,7 +204,7 @@ class Trainer:
         p, a = self.progress, self.args
         if metrics["objective"] < p["best"]:
             p["best"], p["best_step"] = metrics["objective"], step
-            self._save("best", with_optimizer=False)
+            self._save("best", with_optimizer=False, meta={"step": step, "objective": metrics["objective"]})
         worse = metrics["objective"] > p["best"] * (1 + a.threshold)
         p["bad_evals"] = p["bad_evals"] + 1 if worse else 0
         if a.patience and p["bad_evals"] >= a.patience:
@@ -159,6 +216,7 @@ class Trainer:
     def _eval_and_log(self, step: int, t0: float) -> bool:
         metrics = self.last_eval = self.evaluate()
         stop = self._after_eval(step, metrics)
+        _crash_point("eval", step)
         self.log({"event": "eval", "step": step, "tokens": step * self.args.batch_tokens,
                   "elapsed_s": round(self.progress["elapsed_s"] + time.monotonic() - t0, 2),
                   "train_s": round(self.progress["train_s"], 2), **metrics})
@@ -188,6 +246,7 @@ class Trainer:
             p["train_s"] += time.monotonic() - t_step
             step += 1
             p["step"] = step
+            _crash_point("step", step)
             bar.update(1)
             bar.set_postfix(kl=f"{out['kl']:.4f}", lr=f"{out['lr']:.2e}", best=f"{p['best']:.4f}")
             elapsed = p["elapsed_s"] + time.monotonic() - t0
