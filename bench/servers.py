@@ -22,6 +22,13 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def unauthorized(url: str, api_key: str | None) -> BenchError:
+    """The error for an HTTP 401, naming the fix."""
+    fix = ("the server wants an API key: pass --api-key or set API_KEY" if not api_key
+           else "the API key given (--api-key or API_KEY) is not the server's")
+    return BenchError(f"{url} answered HTTP 401 Unauthorized: {fix}")
+
+
 def _get_json(url: str, api_key: str | None = None, timeout: float = 5.0):
     with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers(api_key)),
                                 timeout=timeout) as r:
@@ -51,6 +58,9 @@ def server_facts(url: str, api_key: str | None = None) -> dict:
         for key in ("version", "model_path", "tokenizer_path", "device", "tp_size", "stream_interval",
                     "max_running_requests", "enable_metrics", "sleep_on_idle", "disable_radix_cache"):
             facts[key] = info.get(key)
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise unauthorized(url + "/get_server_info", api_key) from None
     except (urllib.error.URLError, OSError, ValueError):
         pass
     try:
@@ -102,12 +112,10 @@ def warm_up(url: str, args, n: int) -> None:
             with urllib.request.urlopen(req, timeout=args.request_timeout) as r:
                 r.read()
         except urllib.error.HTTPError as e:
-            fix = ""
             if e.code == 401:
-                fix = ("; the server wants an API key: pass --api-key or set API_KEY" if not getattr(args, "api_key", None)
-                       else "; the API key given (--api-key or API_KEY) is not the server's")
+                raise unauthorized(url + path, getattr(args, "api_key", None)) from None
             raise BenchError(f"warm-up request to {url}{path} failed: HTTP {e.code} "
-                             f"{e.read()[:300].decode(errors='replace')}{fix}") from None
+                             f"{e.read()[:300].decode(errors='replace')}") from None
         except (urllib.error.URLError, OSError) as e:
             raise BenchError(f"warm-up request to {url}{path} failed ({getattr(e, 'reason', e)}); "
                              "check the server's log, or skip warm-up with --warmup 0") from None

@@ -1,6 +1,7 @@
 """The API keys never leave the server: not in a log line, a process's command line or an answer
 of SGLang's server-info endpoints, whether the key came as `--api-key` or as FARSKIP_API_KEY
-(the entrypoint's way), on one node and on two. And the keys still work.
+(the entrypoint's way), on one node and on two. And the keys still work, and the load tools
+(bench/run_load.py and its locust) can send them.
 
 Before python/sglang_farskip/redact.py, SGLang's start-up `server_args=` line printed both keys
 and `/server_info` and `/get_server_info` returned them; with redact.install() removed from the
@@ -10,7 +11,10 @@ plugin this test fails on the first of those.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -19,7 +23,7 @@ import pytest
 from sglang_farskip.redact import REDACTED, scrub, scrub_argv
 
 from parity import ONE_THREAD
-from serverutil import Server, free_port
+from serverutil import REPO, Server, free_port
 
 # Distinctive, so that a search of a log cannot hit anything else.
 KEY = "sk-farskip-test-key-5f3c9a"
@@ -74,11 +78,10 @@ def process_tree_cmdlines(root_pid: int) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def keyed():
+def servers():
     """Two single-node servers (key as a flag with an admin key, key in the environment) and a
-    two-node TP=2 deployment on loopback (key in the environment of both), all started at once.
-    For each: what its endpoints answered and the command lines of its processes, read while it
-    serves, and its whole log once it has stopped."""
+    two-node TP=2 deployment on loopback (key in the environment of both), started at once.
+    --sleep-on-idle: an idle scheduler otherwise spins a core, which the load test needs."""
     addr = f"127.0.0.1:{free_port()}"
     two_nodes = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", "60"]
     runs = {
@@ -87,26 +90,76 @@ def keyed():
         "node0": ([*two_nodes, "--node-rank", "0"], {"FARSKIP_API_KEY": NODES_KEY}),
         "node1": ([*two_nodes, "--node-rank", "1"], {"FARSKIP_API_KEY": NODES_KEY}),
     }
-    seen = {}
     with contextlib.ExitStack() as stack:
-        servers = {name: stack.enter_context(Server(args, env={**ONE_THREAD, **env}))
+        started = {name: stack.enter_context(Server([*args, "--sleep-on-idle"], env={**ONE_THREAD, **env}))
                    for name, (args, env) in runs.items()}
         for name in ("flag", "env", "node0"):  # node 1 serves no HTTP
-            servers[name].wait_ready()
-        for name, server in servers.items():
-            seen[name] = {"cmdlines": process_tree_cmdlines(server.proc.pid),
-                          "launcher": server.proc.pid, "server": server}
-            if name == "node1":
-                continue
-            key = {"flag": KEY, "env": ENV_KEY}.get(name, NODES_KEY)
-            seen[name]["answers"] = {path: fetch(server.url + path, key) for path in
-                                     ("/server_info", "/get_server_info", "/farskip/info", "/v1/models")}
-            seen[name]["without_key"] = fetch(server.url + "/v1/models", None)[0]
-    for entry in seen.values():
-        entry["log"] = entry.pop("server").log_path.read_bytes()
+            started[name].wait_ready()
+        yield started
+
+
+@pytest.fixture(scope="module")
+def keyed(servers):
+    """For each server: its endpoints' answers and its processes' command lines."""
+    seen = {}
+    for name, server in servers.items():
+        seen[name] = {"cmdlines": process_tree_cmdlines(server.proc.pid), "launcher": server.proc.pid}
+        if name == "node1":
+            continue
+        key = {"flag": KEY, "env": ENV_KEY}.get(name, NODES_KEY)
+        seen[name]["answers"] = {path: fetch(server.url + path, key) for path in
+                                 ("/server_info", "/get_server_info", "/farskip/info", "/v1/models")}
+        seen[name]["without_key"] = fetch(server.url + "/v1/models", None)[0]
     return seen
 
 
+# ------------------------------------------------------------------ the load tools with a key
+# bench/run_load.py takes the key from API_KEY (or --api-key), hands it to locust in the
+# environment, never on a command line, and every request succeeds; without it, one `error:`
+# line names the fix before any load runs.
+LOAD = ["--concurrency", "1,2", "--requests", "3", "--max-tokens", "4", "--input-len", "16",
+        "--warmup", "1"]
+
+
+def run_load(*args: str, env: dict) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "API_KEY"}
+    return subprocess.run([sys.executable, str(REPO / "bench" / "run_load.py"), *args], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env={**base, **env})
+
+
+def test_load_tools_take_the_key_from_the_environment(servers, tmp_path):
+    out = tmp_path / "run"
+    proc = run_load("--url", servers["env"].url, *LOAD, "--out", str(out), env={"API_KEY": ENV_KEY})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert [lv["concurrency"] for lv in results["levels"]] == [1, 2]
+    for lv in results["levels"]:
+        assert lv["locust"] == {"requests": 3, "failures": 0}, lv["locust"]
+        records = [json.loads(line) for line in (out / lv["records"]).read_text().splitlines()]
+        assert [r["status"] for r in records] == [200] * 3
+    # The key reached the info endpoints too: the report knows which server it measured.
+    facts = results["targets"]["run"]
+    assert facts["farskip_mode"] == "overlap" and facts["tp_size"] == 1, facts
+    for path in out.rglob("*"):  # locust's log and the report: no key anywhere
+        if path.is_file():
+            assert ENV_KEY.encode() not in path.read_bytes(), path
+
+
+def test_load_tools_take_the_key_flag(servers, tmp_path):
+    proc = run_load("--url", servers["env"].url, *LOAD, "--api-key", ENV_KEY, "--out", str(tmp_path / "run"),
+                    env={})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_load_tools_without_the_key_say_which_to_set(servers, tmp_path):
+    proc = run_load("--url", servers["env"].url, *LOAD, "--out", str(tmp_path / "run"), env={})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "HTTP 401" in errors[0] and "pass --api-key or set API_KEY" in errors[0], proc.stderr
+    assert not (tmp_path / "run" / "results.json").exists()  # stopped before any load ran
+
+
+# ------------------------------------------------------------------ what the servers let out
 def test_the_keys_still_guard_the_api(keyed):
     for name in ("flag", "env", "node0"):
         assert keyed[name]["without_key"] == 401, name
@@ -124,8 +177,8 @@ def test_no_key_in_server_info_answers(keyed, name):
 
 
 @pytest.mark.parametrize("name", ["flag", "env", "node0", "node1"])
-def test_no_key_in_any_log_line(keyed, name):
-    log = keyed[name]["log"]
+def test_no_key_in_any_log_line(servers, name):
+    log = servers[name].log_path.read_bytes()  # everything so far, the load runs' requests included
     assert b"server_args=" in log or name == "node1", "the settings line this test searches is gone"
     for key in ALL_KEYS:
         assert key.encode() not in log, (name, key)
