@@ -370,7 +370,23 @@ def test_k8s_builtin_kinds_validate(version):
     proc = run([tool("kubernetes-validate"), "--strict", "-k", version] + [str(f) for f in K8S_FILES])
     assert proc.returncode == 0 and "ERROR" not in proc.stdout, proc.stdout + proc.stderr
     kinds = {d["kind"] for _, d in k8s_docs()}
-    assert {"ConfigMap", "Service", "LeaderWorkerSet"} <= kinds
+    assert {"ConfigMap", "Service", "LeaderWorkerSet", "NetworkPolicy"} <= kinds
+
+
+def test_network_policy_admits_the_configured_ports_from_the_group_only():
+    (policy,) = [d for _, d in k8s_docs() if d["kind"] == "NetworkPolicy"]
+    (configmap,) = [d for _, d in k8s_docs() if d["kind"] == "ConfigMap"]
+    master, http = int(configmap["data"]["MASTER_PORT"]), int(configmap["data"]["HTTP_PORT"])
+    group = {"leaderworkerset.sigs.k8s.io/name": lws_docs()[0][1]["metadata"]["name"]}
+    assert policy["spec"]["podSelector"]["matchLabels"] == group
+    peers, clients = policy["spec"]["ingress"]
+    assert peers["from"] == [{"podSelector": {"matchLabels": group}}]
+    assert {"protocol": "TCP", "port": master, "endPort": master + 7} in peers["ports"]
+    assert "from" not in clients and clients["ports"] == [{"protocol": "TCP", "port": http}]
+    # The same ranges as deploy/firewall.nft, which docs/deploy.md offers for every host.
+    nft = (DEPLOY / "firewall.nft").read_text()
+    for rule in peers["ports"][1:]:
+        assert f"{rule['port']}-{rule['endPort']}" in nft
 
 
 def test_k8s_validator_rejects_a_broken_service(tmp_path):
