@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ INTER_NODE = {MASTER_PORT: "rendezvous", MASTER_PORT + 7: "last ZMQ port", 25000
               40000: "ephemeral (NCCL/gloo listeners)"}
 OPEN = {HTTP_PORT: "HTTP", 20000: "unrelated service"}
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ip netns, nft)")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("nft"),
+                                reason="needs root and nft (ip netns; Debian's nftables package)")
 
 LISTEN = r"""
 import socket, sys, threading
