@@ -99,6 +99,7 @@ def machine_facts() -> dict:
 
 def warm_up(url: str, args, n: int) -> None:
     """A few short requests first: the first request after start pays one-off costs."""
+    api_key = getattr(args, "api_key", None)  # crosscheck_sglang.py's args have none
     for k in range(n):
         ids = [2 + k + i for i in range(min(args.input_len, 64))]  # no prefix shared between them
         if args.endpoint == "generate":
@@ -107,13 +108,13 @@ def warm_up(url: str, args, n: int) -> None:
             path, body = "/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0}
         req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json",
-                                              **auth_headers(getattr(args, "api_key", None))})
+                                              **auth_headers(api_key)})
         try:
             with urllib.request.urlopen(req, timeout=args.request_timeout) as r:
                 r.read()
         except urllib.error.HTTPError as e:
             if e.code == 401:
-                raise unauthorized(url + path, getattr(args, "api_key", None)) from None
+                raise unauthorized(url + path, api_key) from None
             raise BenchError(f"warm-up request to {url}{path} failed: HTTP {e.code} "
                              f"{e.read()[:300].decode(errors='replace')}") from None
         except (urllib.error.URLError, OSError) as e:

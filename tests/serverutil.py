@@ -115,9 +115,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def side_by_side(runs: dict[str, dict], timeout: float = START_TIMEOUT_S):
+def side_by_side(runs: dict[str, dict], timeout: float = START_TIMEOUT_S, serving=None):
     """Start several servers at once (each `runs` value is Server's keyword arguments) and
-    yield {name: Server} once every one answers; all are killed on the way out.
+    yield {name: Server} once every one of `serving` (default: all) answers; all are killed on
+    the way out. Leave out of `serving` what has no HTTP server (a node rank > 0).
 
     Why: a CPU start here is 25-45 s, mostly one Python process at a time importing SGLang, so
     one start keeps about one of the two cores busy; starts side by side overlap. Give each
@@ -126,8 +127,8 @@ def side_by_side(runs: dict[str, dict], timeout: float = START_TIMEOUT_S):
     """
     with contextlib.ExitStack() as stack:
         servers = {name: stack.enter_context(Server(**kwargs)) for name, kwargs in runs.items()}
-        for server in servers.values():
-            server.wait_ready(timeout)
+        for name in servers if serving is None else serving:
+            servers[name].wait_ready(timeout)
         yield servers
 
 

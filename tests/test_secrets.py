@@ -10,7 +10,6 @@ plugin this test fails on the first of those.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 from sglang_farskip.redact import REDACTED, scrub, scrub_argv
 
 from parity import ONE_THREAD
-from serverutil import REPO, Server, free_port
+from serverutil import REPO, free_port, side_by_side
 
 # Distinctive, so that a search of a log cannot hit anything else.
 KEY = "sk-farskip-test-key-5f3c9a"
@@ -90,11 +89,9 @@ def servers():
         "node0": ([*two_nodes, "--node-rank", "0"], {"FARSKIP_API_KEY": NODES_KEY}),
         "node1": ([*two_nodes, "--node-rank", "1"], {"FARSKIP_API_KEY": NODES_KEY}),
     }
-    with contextlib.ExitStack() as stack:
-        started = {name: stack.enter_context(Server([*args, "--sleep-on-idle"], env={**ONE_THREAD, **env}))
-                   for name, (args, env) in runs.items()}
-        for name in ("flag", "env", "node0"):  # node 1 serves no HTTP
-            started[name].wait_ready()
+    kwargs = {name: {"args": [*args, "--sleep-on-idle"], "env": {**ONE_THREAD, **env}}
+              for name, (args, env) in runs.items()}
+    with side_by_side(kwargs, serving=("flag", "env", "node0")) as started:  # node 1 serves no HTTP
         yield started
 
 
