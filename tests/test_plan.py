@@ -1,0 +1,217 @@
+"""bench/plan.py: the schedule it replays, the cluster tables it reads, the bounds it must obey,
+and the figures of shared/notes/perf-model.md it must reproduce. Pure Python, no torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("plan", REPO / "bench" / "plan.py")
+plan = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("plan", plan)  # dataclasses look their module up by name
+_spec.loader.exec_module(plan)
+
+DSV3 = plan.load_shape("deepseek-v3")
+
+# A few rows of a real two-node all_reduce_perf run's format (nccl-tests 2.13: root column,
+# #wrong per half), behind mpirun --tag-output prefixes as rccl-tests logs often are.
+SAMPLE = """\
+[1,0]<stdout>:# nThread 1 nGpus 1 minBytes 8 maxBytes 1073741824 step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0
+[1,0]<stdout>:#
+[1,0]<stdout>:# Using devices
+[1,0]<stdout>:#  Rank  0 Group  0 Pid 101 on    node-a device  0 [0x1b] NVIDIA H100 80GB HBM3
+[1,0]<stdout>:#  Rank  1 Group  0 Pid 102 on    node-a device  1 [0x2c] NVIDIA H100 80GB HBM3
+[1,0]<stdout>:#  Rank  2 Group  0 Pid 201 on    node-b device  0 [0x1b] NVIDIA H100 80GB HBM3
+[1,0]<stdout>:#  Rank  3 Group  0 Pid 202 on    node-b device  1 [0x2c] NVIDIA H100 80GB HBM3
+[1,0]<stdout>:#
+[1,0]<stdout>:#                                                              out-of-place                       in-place
+[1,0]<stdout>:#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+[1,0]<stdout>:#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+[1,0]<stdout>:        8192          4096      bf16     sum      -1    40.10    0.20    0.31      0    39.50    0.21    0.31      0
+[1,0]<stdout>:       16384          8192      bf16     sum      -1    44.00    0.37    0.56      0    42.00    0.39    0.59      0
+[1,0]<stdout>:     1048576        524288      bf16     sum      -1    95.20   11.01   16.52      0    96.80   10.83   16.25      0
+[1,0]<stdout>:    16777216       8388608      bf16     sum      -1   301.5    55.65   83.47      0   300.0    55.92   83.89      0
+[1,0]<stdout>:# Out of bounds values : 0 OK
+[1,0]<stdout>:# Avg bus bandwidth    : 25.1234
+"""
+
+
+def _plan(phase, comm, contention=0.0, shape=DSV3, tp=16, dp=1, gpu="H200", dtype="fp8"):
+    layout = plan.Layout(tp, dp, max(1, tp // 8))
+    return plan.make_plan(shape, layout, phase, plan.Roofline(shape, plan.BUILTIN_GPUS[gpu], dtype), comm, contention)
+
+
+def _decode(batch, ctx=2048):
+    return plan.Phase("decode", batch, ctx, batch)
+
+
+def _prefill(n, batch=1):
+    return plan.Phase("prefill", batch * n, n, batch)
+
+
+def test_structural_ceiling_is_115_of_119_for_deepseek_v3():
+    p = _plan(_decode(64), plan.BUILTIN_CLUSTERS["nv-ib"])
+    assert len(p.runs["stock"].collectives) == 122  # two blocking ARs per layer
+    assert len(p.runs["sync"].collectives) == len(p.runs["overlap"].collectives) == 119
+    assert p.windowed_count == (115, 119)
+    assert round(p.windowed_share, 3) == 0.966
+    exposed = [c for c in p.ideal.collectives if c.window_us == 0]
+    assert [(c.layer, c.label) for c in exposed] == [(0, "AR(a+s)"), (1, "AR(a+s)"), (2, "AR(a+s)"), (60, "AR(r)")]
+
+
+def test_lanes_hide_behind_the_windows_the_model_code_gives_them():
+    p = _plan(_decode(64), plan.BUILTIN_CLUSTERS["nv-ib"])
+    by = {(c.layer, c.label): c for c in p.ideal.collectives}
+    assert by[(10, "AR(a+s)")].window_ops == ("routed[10]",)
+    assert by[(10, "AR(r)")].window_ops == ("norm[11]", "attention[11]")
+
+
+def test_variants_move_the_waits():
+    cfg = dict(plan.BUILTIN_MODELS["deepseek-v3"], attn_only_farskip=True)
+    p = _plan(_decode(64), plan.BUILTIN_CLUSTERS["nv-ib"], shape=plan.shape_from_config(cfg, "attn-only"))
+    assert len(p.runs["sync"].collectives) == 3 * 3 + 58 * 3 - 3  # AR(a) apart, dense AR(a)+AR(s)
+    labels = {c.label for c in p.ideal.collectives if c.window_us == 0}
+    assert labels == {"AR(a)", "AR(s)", "AR(r)"}  # AR(a) is read at once by the MLP
+    cfg = dict(plan.BUILTIN_MODELS["deepseek-v3"], mlp_only_farskip=True)
+    p = _plan(_decode(64), plan.BUILTIN_CLUSTERS["nv-ib"], shape=plan.shape_from_config(cfg, "mlp-only"))
+    r_lane = [c for c in p.ideal.collectives if c.label == "AR(r)"]
+    assert r_lane and all(c.window_us == 0 for c in r_lane)  # attention reads the full h
+
+
+def test_reproduces_perf_model_decode_b1_h200():
+    p = _plan(_decode(1), plan.BUILTIN_CLUSTERS["nv-ib"])
+    assert p.runs["stock"].step_us / 1000 == pytest.approx(13.1, abs=0.1)
+    assert p.runs["overlap"].step_us / 1000 == pytest.approx(8.2, abs=0.1)
+    assert p.speedup() == pytest.approx(1.61, abs=0.01)
+    assert 1 / (1 - p.f) == pytest.approx(1.77, abs=0.01)
+
+
+def test_reproduces_perf_model_paper_prefill():
+    phase = _prefill(2048, batch=32)
+    got = [_plan(phase, plan.BUILTIN_CLUSTERS["mi300x-xgmi"], g, tp=8, gpu="MI300X", dtype="bf16").speedup()
+           for g in (0.0, 0.15, 0.30)]
+    assert [round(v, 2) for v in got] == [1.41, 1.33, 1.26]
+
+
+@pytest.mark.parametrize("phase", [_decode(1), _decode(256), _decode(1024, 258), _prefill(2048), _prefill(8192)])
+@pytest.mark.parametrize("cluster", ["amd-good", "amd-poor", "h100-tcpxo"])
+@pytest.mark.parametrize("gamma", [0.0, 0.3])
+def test_speedup_obeys_the_bounds(phase, cluster, gamma):
+    p = _plan(phase, plan.BUILTIN_CLUSTERS[cluster], gamma)
+    assert 1.0 <= p.speedup() <= 1 / (1 - p.f) + 1e-9
+    assert p.speedup() <= 1 / max(p.f, 1 - p.f) + 1e-9
+    assert p.runs["overlap"].step_us >= p.ideal.step_us - 1e-6  # contention never helps
+    assert p.runs["overlap"].hidden <= p.windowed_share + 1e-9
+
+
+def test_free_communication_makes_all_modes_equal():
+    free = plan.LinkModel("free", "test", 16, mbit=1e30, latency_us=0.0)
+    p = _plan(_prefill(4096), free, contention=0.3)
+    steps = {m: r.step_us for m, r in p.runs.items()}
+    assert steps["overlap"] == pytest.approx(steps["sync"], rel=1e-9)
+    assert steps["sync"] == pytest.approx(steps["stock"], rel=1e-9)
+
+
+def test_contention_stretches_only_overlapped_compute():
+    busy = [(10.0, 20.0)]
+    assert plan._advance(0.0, 5.0, busy, 0.5) == 5.0  # done before the collective starts
+    assert plan._advance(0.0, 17.0, busy, 0.5) == 22.0  # 10 free, 5 at half speed in 10 us, 2 after
+    assert plan._advance(12.0, 2.0, busy, 0.5) == 16.0
+
+
+def test_parses_all_reduce_perf_output(tmp_path):
+    table = plan.parse_nccl_tests(SAMPLE, "h100_2node.txt")
+    assert table.ranks == 4
+    assert table.points[0] == (8192, 39.5)  # in-place column by default
+    assert plan.parse_nccl_tests(SAMPLE, "x", column="out").points[-1] == (16777216, 301.5)
+    assert table.us(4096) == 39.5  # latency floor below the table
+    mid = math.sqrt(8192 * 16384)
+    assert table.us(mid) == pytest.approx(math.sqrt(39.5 * 42.0))  # log-log between rows
+    assert table.us(2 * 16777216) == pytest.approx(600.0)  # the last row's bandwidth beyond it
+    f = tmp_path / "ar.txt"
+    f.write_text(SAMPLE)
+    assert plan.main(["--cluster", str(f), "--tp", "4", "--decode", "1"]) == 0
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_malformed_cluster_file_exits_2_with_one_error_line(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("# size count type\nthis is not a table\n")
+    assert plan.main(["--cluster", str(bad), "--decode", "8"]) == 2
+    assert "no nccl-tests table" in _one_error_line(capsys)
+    assert plan.main(["--cluster", str(tmp_path / "absent.txt")]) == 2
+    _one_error_line(capsys)
+
+
+def _ops_file(tmp_path, rows):
+    f = tmp_path / "ops.json"
+    f.write_text(json.dumps({"source": "test", "dtype": "bf16", "per_op_us": rows}))
+    return f
+
+
+def _full_ops(tp=16):
+    rows = []
+    for t, scale in ((64, 1.0), (1024, 16.0)):
+        rows += [{"op": "attention_decode", "tokens": t, "context": c, "tp": tp, "us": 50 * scale * (c / 512)}
+                 for c in (512, 2048)]
+        rows += [{"op": op, "tokens": t, "context": 0, "tp": tp, "us": us * scale}
+                 for op, us in (("shared_experts", 10), ("routed_experts", 100), ("dense_mlp", 30), ("norm_add", 4))]
+    return rows
+
+
+def test_measured_ops_interpolate_log_log(tmp_path):
+    ops = plan.MeasuredOps(str(_ops_file(tmp_path, _full_ops())))
+    assert ops("routed_experts", 256, 0, 16) == pytest.approx(100 * 4)  # power law 1 between 64 and 1024
+    assert ops("attention_decode", 64, 1024, 16) == pytest.approx(100)  # geometric midpoint of 50 and 200
+    assert plan.main(["--ops", str(_ops_file(tmp_path, _full_ops())), "--decode", "256", "--context", "1024",
+                      "--cluster", "nv-ib"]) == 0
+
+
+def test_missing_or_malformed_ops_exit_2(tmp_path, capsys):
+    rows = [r for r in _full_ops() if r["op"] != "routed_experts"]
+    assert plan.main(["--ops", str(_ops_file(tmp_path, rows)), "--decode", "64"]) == 2
+    assert "routed_experts" in _one_error_line(capsys)
+    assert plan.main(["--ops", str(_ops_file(tmp_path, [{"op": "attention_decode", "tokens": -1}])), "--decode", "64"]) == 2
+    assert "malformed" in _one_error_line(capsys)
+
+
+def test_dp_attention_gathers_behind_shared_and_scatters_behind_attention():
+    p = _plan(_decode(256), plan.BUILTIN_CLUSTERS["nv-ib"], tp=16, dp=2)
+    by = {(c.layer, c.label): c for c in p.ideal.collectives}
+    assert by[(10, "AG(x)")].window_ops == ("shared[10]",)
+    assert by[(10, "RS(r)")].window_ops == ("norm[11]", "attention[11]")
+    assert by[(10, "AR_attn(a+s)")].window_ops == ("routed[10]",)
+    assert len(p.runs["stock"].collectives) == len(p.runs["sync"].collectives)
+
+
+def test_paper_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "paper.json"
+    assert plan.main(["--paper", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "1.34x" in text and "1.25x" in text
+    records = json.loads(out.read_text())
+    assert {r["cluster"] for r in records} >= {"mi300x-xgmi", "amd-good", "amd-poor"}
+    png, js = tmp_path / "p.png", tmp_path / "p.json"
+    assert plan.main(["--prefill", "1024,4096", "--plot", str(png), "--json", str(js)]) == 0
+    assert png.stat().st_size > 10_000
+    assert json.loads(js.read_text())[1]["windowed"] == [115, 119]
+
+
+def test_sync_f_calibration_hits_the_measured_share():
+    free_ops = plan.LinkModel("link", "test", 2, mbit=200, latency_us=0)
+    p = _plan(_prefill(2048), free_ops, tp=16)
+    q = plan.calibrate_to_sync_f(p, 0.4, p_ops := plan.Roofline(DSV3, plan.BUILTIN_GPUS["H200"], "fp8"), free_ops, 0.0, {})
+    sync = q.runs["sync"]
+    assert sync.exposed_us / sync.step_us == pytest.approx(0.4)
+    assert p_ops.measured is False
