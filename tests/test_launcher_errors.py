@@ -77,9 +77,11 @@ def refused(tmp_path_factory) -> dict[str, str | None]:
         **{name: ["--model-path", write_config(root / name, **overrides)]
            for name, (overrides, _) in BAD_CONFIGS.items()},
         **{name: ["--model-path", demo, *flags] for name, (flags, _) in UNSUPPORTED.items()},
+        "tc_piecewise": ["--model-path", demo, "--farskip-gpu-overlap",
+                         "--cuda-graph-backend-prefill", "tc_piecewise"],
     }
     proc = subprocess.run([sys.executable, "-c", _TRY_EACH], input=json.dumps(cases),
-                          capture_output=True, text=True, timeout=4 * TIME_BOUND_S)  # 13 cases, ~45 s here
+                          capture_output=True, text=True, timeout=4 * TIME_BOUND_S)  # 14 cases, ~45 s here
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[0].removeprefix("RESULTS "))
@@ -119,6 +121,21 @@ def test_bad_farskip_config(refused, case):
 @pytest.mark.parametrize("case", list(UNSUPPORTED))
 def test_unsupported_flag_combination(refused, case):
     assert_refused(refused[case], "FarSkip cannot run", UNSUPPORTED[case][1])
+
+
+def test_tc_piecewise_prefill_graphs_are_refused_with_overlap(refused):
+    # torch.compile-based prefill graphs would trace the in-flight collectives. SGLang 0.5.23
+    # already rejects the value when parsing; compat refuses it where a version still takes it.
+    import types
+
+    from sglang_farskip.compat import unsupported
+
+    assert_refused(refused["tc_piecewise"], "invalid SGLang arguments")
+    phase = types.SimpleNamespace
+    args = phase(cuda_graph_config=phase(decode=phase(backend="full"), prefill=phase(backend="tc_piecewise")))
+    (line,) = unsupported(args, overlap=True, side_stream=True)
+    assert "tc_piecewise" in line and "--cuda-graph-backend-prefill" in line and "--farskip-mode sync" in line
+    assert unsupported(args, overlap=False) == []
 
 
 def test_refusal_is_one_error_line_and_exit_2(tmp_path):

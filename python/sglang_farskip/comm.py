@@ -220,47 +220,16 @@ def nccl_all_reduce_(cpu_group, device, *, max_ctas: Optional[int] = None
                      ) -> Callable[[torch.Tensor], None]:
     """In-place sum on the current stream over a NCCL/RCCL communicator of FarSkip's own.
 
-    Never SGLang's group communicators (other code drives them concurrently). Built with SGLang's
-    ctypes NCCL wrapper rather than its PyNcclCommunicator, which has no CTA cap and refuses
-    one rank (the device check drives this very function at world size 1). `cpu_group`: a gloo
-    group to agree on the NCCL id (None: one rank). `max_ctas`: ncclConfig maxCTAs, the SMs one
-    all-reduce may take from overlapped compute (None: NCCL's default).
+    Never SGLang's group communicators (other code drives them concurrently). Built on
+    `sglang_farskip.nccl`, the project's own ctypes binding (needs torch and the NCCL/RCCL
+    library only; that module says why not torch's ProcessGroupNCCL). `cpu_group`: a gloo group
+    to agree on the NCCL id (None: one rank, as the device checks run it). `max_ctas`: ncclConfig
+    maxCTAs, the SMs one all-reduce may take from overlapped compute (None: NCCL's default;
+    refused on a NCCL older than 2.17).
     """
-    from sglang.srt.distributed.device_communicators.pynccl_wrapper import (
-        NCCLLibrary,
-        buffer_type,
-        cudaStream_t,
-        ncclConfig_t,
-        ncclDataTypeEnum,
-        ncclRedOpTypeEnum,
-        ncclUniqueId,
-    )
+    from sglang_farskip.nccl import NcclComm  # ctypes and the library load only when used
 
-    lib = NCCLLibrary()
-    world = 1 if cpu_group is None else dist.get_world_size(cpu_group)
-    rank = 0 if cpu_group is None else dist.get_rank(cpu_group)
-    unique_id = lib.ncclGetUniqueId() if rank == 0 else ncclUniqueId()
-    if world > 1:
-        raw = torch.ByteTensor(list(unique_id.internal))
-        dist.broadcast(raw, src=dist.get_process_group_ranks(cpu_group)[0], group=cpu_group)
-        for i, byte in enumerate(raw.tolist()):
-            unique_id.internal[i] = byte
-    device = torch.device(device)
-    with torch.cuda.device(device):
-        if max_ctas is None:
-            comm = lib.ncclCommInitRank(world, unique_id, rank)
-        else:
-            config = ncclConfig_t.create()
-            config.maxCTAs = max_ctas
-            comm = lib.ncclCommInitRankConfig(world, unique_id, rank, config)
-    op_sum = ncclRedOpTypeEnum.from_torch(dist.ReduceOp.SUM)
-
-    def all_reduce_(t: torch.Tensor) -> None:
-        lib.ncclAllReduce(buffer_type(t.data_ptr()), buffer_type(t.data_ptr()), t.numel(),
-                          ncclDataTypeEnum.from_torch(t.dtype), op_sum, comm,
-                          cudaStream_t(torch.cuda.current_stream(device).cuda_stream))
-
-    return all_reduce_
+    return NcclComm.from_group(cpu_group, device, max_ctas=max_ctas).all_reduce_
 
 
 class Communicator:

@@ -114,6 +114,14 @@ def unsupported(server_args: Any, *, overlap: bool = False, side_stream: bool = 
             f"would all-reduce it {server_args.tp_size} times over (moe_dense_tp_size=1): "
             "drop --moe-dense-tp-size"
         )
+    if overlap and "tc_piecewise" in graph_backends(server_args):
+        # SGLang 0.5.23 itself rejects the value at parsing; other versions accept it.
+        problems.append(
+            "tc_piecewise CUDA graphs compile the forward with torch.compile, which would trace "
+            "FarSkip's in-flight collectives as --enable-torch-compile would (cuda graph backend "
+            "'tc_piecewise'): use --cuda-graph-backend-prefill breakable, full or disabled, or "
+            "--farskip-mode sync"
+        )
     if gpu_profiling and any(b != "disabled" for b in graph_backends(server_args)):
         problems.append(
             "--farskip-profile-dir on a GPU times collectives with CUDA events, which a graph "
