@@ -127,6 +127,12 @@ def _make_backend_class():
                 q0, k0 = q0 + n, k0 + m
             return (out, lse) if forward_batch.mha_return_lse else out
 
+        def get_cpu_graph_seq_len_fill_value(self):
+            # DP attention pads every DP rank's batch to the MLP-sync size (forward_batch_info,
+            # `prepare_mlp_sync_batch`); a padded request gets this sequence length. 1, as
+            # upstream's CPU backend uses: the padded rows read one real slot and are dropped.
+            return 1
+
     return TorchNativeMLAPrefillBackend
 
 

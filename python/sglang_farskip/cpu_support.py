@@ -145,8 +145,10 @@ def apply_cpu_fixes() -> None:
 
     cpu_mha.install()
     _make_native_moe_skip_foreign_experts()
+    _make_reduce_scatterv_work_without_pynccl()
     _applied = True
-    logger.info("sglang_farskip: CPU fixes applied (torch_native MLA dispatch and MHA prefill, EP>1 native MoE)")
+    logger.info("sglang_farskip: CPU fixes applied (torch_native MLA dispatch and MHA prefill, "
+                "EP>1 native MoE, reduce-scatterv on gloo)")
 
 
 def _make_native_moe_skip_foreign_experts() -> None:
@@ -179,3 +181,25 @@ def _make_native_moe_skip_foreign_experts() -> None:
     moe_forward_native._farskip_wrapped = True
     # unquant.py imports the function at call time, so rebinding the module attribute is seen.
     fused_moe_native.moe_forward_native = moe_forward_native
+
+
+def _make_reduce_scatterv_work_without_pynccl() -> None:
+    """DP attention with EP (attention DP size = TP = EP) returns the MoE output with
+    `GroupCoordinator.reduce_scatterv` (layers/layer_boundary/exit.py), which insists on pynccl.
+    A CPU run has none (cpu_base_environment points SGLang away from torch's bundled NCCL), so
+    there it runs upstream's own rank-independent variant: all-reduce over the group, keep this
+    rank's rows. Same sum, more bytes; CPU only."""
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+    upstream = GroupCoordinator.reduce_scatterv
+    if getattr(upstream, "_farskip_wrapped", False):
+        return
+
+    def reduce_scatterv(self, input_, output=None, sizes=None):
+        pynccl = self.pynccl_comm
+        if input_.device.type == "cpu" and (pynccl is None or not hasattr(pynccl, "device")):
+            return self._deterministic_reduce_scatterv(input_, output, sizes)
+        return upstream(self, input_, output, sizes)
+
+    reduce_scatterv._farskip_wrapped = True
+    GroupCoordinator.reduce_scatterv = reduce_scatterv
