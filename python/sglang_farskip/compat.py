@@ -2,8 +2,9 @@
 
 FarSkip's schedule keeps two partial sums in flight across a layer boundary and reduces the
 attention partial together with the shared-expert partial. That needs: one tensor-parallel
-group for attention and MoE (no DP attention, no context parallel, no pipeline stages), an
-all-reduce MoE (no all-to-all dispatch), separate shared experts, and a plain token layout.
+group for the MoE and for attention (or DP attention, whose partials join the MoE group's
+sums; no context parallel, no pipeline stages), an all-reduce MoE (no all-to-all dispatch),
+separate shared experts, and a plain token layout.
 Each rule names the flag that breaks it.
 """
 
@@ -13,9 +14,6 @@ from typing import Any
 
 # (attribute on SGLang's resolved server args, predicate "is unsupported", problem, fix)
 _RULES = [
-    ("attn_dp_size", lambda v: (v or 1) > 1,
-     "DP attention splits attention and MoE groups",
-     "drop --attn-dp-size / --enable-dp-attention"),
     ("pp_size", lambda v: (v or 1) > 1,
      "pipeline parallelism hands a residual with pending sums across stages",
      "use --pp-size 1"),

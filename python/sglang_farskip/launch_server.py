@@ -380,6 +380,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         "options": json.loads(opts.to_json()),
         "tp_size": resolved.tp_size,
         "ep_size": resolved.ep_size,
+        "attn_dp_size": resolved.attn_dp_size or 1,  # DP attention (--dp with --enable-dp-attention)
         "nnodes": resolved.nnodes,
         "node_rank": resolved.node_rank,
         "ready_timeout_s": own.farskip_ready_timeout,

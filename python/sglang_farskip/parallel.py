@@ -6,6 +6,8 @@ options into the one `comm.Communicator` the forward is handed:
   weight is allocated;
 - `reduction_group`: the one group both lanes reduce over (FarSkip sums the attention and
   shared-expert partials in one collective, which is only valid over the same ranks);
+- `DpRows`: under DP attention, where this rank's own tokens sit among the MoE group's (the
+  residual is kept for all of them; see its docstring);
 - `check_layers`: what SGLang built agrees with the wiring (MoE vs dense, shared experts apart);
 - `build_communicator`: identity, blocking, the gloo comm thread, or the GPU side stream,
   and the mode that really runs (it can fall back to `sync`, and says so);
@@ -45,14 +47,16 @@ def check_server_args(options: RuntimeOptions) -> None:
 
 
 def reduction_group(parallel):
-    """The TP group, if attention and MoE both reduce over all of it."""
+    """The TP group, if attention and MoE both reduce over all of it. Under DP attention the
+    attention partial is placed among the group's tokens first (`DpRows`), so only the MoE
+    has to reduce over the whole group."""
     from sglang.srt.layers.moe.utils import post_experts_reduction_group
 
     group = parallel.tp_group
-    for name, other in (
-        ("attention TP", parallel.attn_tp_group),
-        ("MoE output", post_experts_reduction_group()),
-    ):
+    others = [("MoE output", post_experts_reduction_group())]
+    if parallel.attn_dp_size == 1:
+        others.insert(0, ("attention TP", parallel.attn_tp_group))
+    for name, other in others:
         if other.world_size != group.world_size:
             raise FarSkipConfigError(
                 f"FarSkip needs the {name} reduction over the whole TP group "
@@ -128,3 +132,58 @@ def gpu_side_stream(group, options: RuntimeOptions, hidden_size: int) -> SideStr
         kept / 2**20, " (forced with the fork/join probe: test only)" if options.force_side_stream else "",
     )
     return side
+
+
+class DpRows:
+    """DP attention: this rank's tokens among the tokens of the whole MoE group.
+
+    Notation: T_g rows of the group's buffer (every DP rank's batch, in DP-rank order, padded
+    as SGLang pads them for the MLP), of which this rank owns T_d rows starting at `start`.
+
+    FarSkip keeps the residual for all T_g rows on every rank: each lane is then one all-reduce
+    over the group, as with TP attention, and the routed sum of layer k-1 needs no gather
+    before layer k's MoE (the all-reduce already left it on every rank). The attention runs on
+    the own rows only, and its partial enters the attention lane placed in its rows, zero
+    elsewhere: the lane's sum then adds the attention-TP partials of each DP rank into that
+    rank's rows, together with the shared-expert partials of every row. docs/dp-attention.md
+    has the trade-off (twice the bytes of SGLang's gather + reduce-scatter, none of it waited
+    before a MoE).
+
+    Built per forward from SGLang's own DP bookkeeping (`layers/dp_attention.py`), whose
+    row copies also run on a GPU with device-side offsets (graph capture).
+    """
+
+    def __init__(self, forward_batch, local_len: int, attn_tp_rank: int):
+        from sglang.srt.layers import dp_attention as dpa
+
+        self._dpa = dpa
+        self.local_len = local_len  # T_d: the local batch as SGLang padded it
+        self.global_len = dpa.get_global_dp_buffer_len()
+        self.start, self.count = dpa.get_dp_local_info(forward_batch)
+        self.first_of_attn_tp = attn_tp_rank == 0
+
+    def to_global(self, local: torch.Tensor, *, replicated: bool) -> torch.Tensor:
+        """[T_d, H] -> [T_g, H]: `local` in this rank's rows, zero elsewhere. `replicated`:
+        every attention-TP rank holds the same rows (one of them writes, so the sum counts them
+        once); otherwise each holds a partial and all write."""
+        full = local.new_zeros(self.global_len, *local.shape[1:])
+        if local.shape[0] and (self.first_of_attn_tp or not replicated):
+            self._dpa.memcpy(full, local.contiguous(), 0, self.start, self.count, False)
+        return full
+
+    def to_local(self, full: torch.Tensor) -> torch.Tensor:
+        """[T_g, H] -> [T_d, H]."""
+        local = full.new_zeros(self.local_len, *full.shape[1:])
+        if self.local_len:
+            self._dpa.memcpy(local, full, 0, self.start, self.count, True)
+        return local
+
+
+def dp_rows(forward_batch, local_len: int) -> "DpRows | None":
+    """This forward's `DpRows` under DP attention (`local_len`: the rows of its batch), else None."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    if parallel.attn_dp_size == 1:
+        return None
+    return DpRows(forward_batch, local_len, parallel.attn_tp_rank)

@@ -66,6 +66,9 @@ def model_report(model, farskip, num_layers: int, requested, mode, comm_backend:
         "tp_rank": parallel.tp_rank,
         "tp_size": parallel.tp_size,
         "moe_ep_size": parallel.moe_ep_size,
+        "attn_dp_rank": parallel.attn_dp_rank,  # DP attention: which DP rank's tokens attend here
+        "attn_dp_size": parallel.attn_dp_size,
+        "attn_tp_size": parallel.attn_tp_size,
         "pid": os.getpid(),
         "sglang_version": SGLANG_VERSION,
         **extra,

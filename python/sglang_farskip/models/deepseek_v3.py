@@ -21,6 +21,11 @@ and after the last layer x += A lane; x += R lane; out = norm(x).
 A dense layer (r = 0) sends its whole MLP output on the A lane: the next attention must read
 it (DESIGN section 1), so that one sum is waited at once; only MoE layers overlap both lanes.
 
+DP attention (`Step.rows`, see parallel.DpRows): x holds the rows of every DP rank's tokens
+[T_g, H]; norm_in and attention read this rank's rows [T_d, H] and the partial goes back in
+those rows, zero elsewhere, so the lanes above are unchanged. The embeddings are gathered once, the output
+is this rank's rows.
+
 Upstream's DeepseekV2Model.forward runs the same sub-modules through SGLang's layer-boundary
 framework, which holds one pending sum at a time; FarSkip needs two, so the model's forward is
 replaced (only the forward: layers, weights and loading stay upstream's). `sync` and `overlap`
@@ -82,16 +87,22 @@ class Step(NamedTuple):
     forward_batch: object
     zero_allocator: BumpAllocator
     graph_breaks: bool  # under a breakable CUDA graph: no sum may stay in flight across attention
+    rows: Optional[parallel.DpRows]  # DP attention: this rank's rows of x; None: x is all local
 
 
 def _add(x: torch.Tensor, handle: Optional[Handle]) -> torch.Tensor:
     return x if handle is None else x + handle.wait()
 
 
-def _add_norm(norm, x: torch.Tensor, *handles: Optional[Handle]):
+def _add_norm(norm, x: torch.Tensor, *handles: Optional[Handle], rows=None):
     """(norm(x + sums), x + sums). The norm adds the last sum itself: SGLang's fused residual
     add + RMSNorm on CUDA/HIP (one kernel, both tensors updated in place), the same float add
-    then the norm elsewhere. Either way the same code runs in `sync` and `overlap`."""
+    then the norm elsewhere. Either way the same code runs in `sync` and `overlap`.
+    `rows` (DP attention, the attention input): every row summed, only this rank's normed."""
+    if rows is not None:
+        for h in handles:
+            x = _add(x, h)
+        return norm(rows.to_local(x)), x  # [T_g, H] -> [T_d, H]
     *first, last = [h for h in handles if h is not None] or [None]
     for h in first:
         x = _add(x, h)
@@ -110,12 +121,15 @@ class FarSkipDeepseekV2Model(DeepseekV2Model):
         if self.comm.profiler is not None:
             self.comm.profiler.phase = "decode" if forward_batch.forward_mode.is_decode() else "prefill"
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        rows = parallel.dp_rows(forward_batch, x.shape[0])
+        if rows is not None:  # [T_d, H] -> [T_g, H]: every DP rank's embeddings, on every rank
+            x = self.comm.start_all_reduce(rows.to_global(x, replicated=True), lane="gather").wait()
         zero_allocator = BumpAllocator(
             buffer_size=len(self.layers) * 2, dtype=torch.float32, device=positions.device
         )
         # A breakable CUDA graph ends one captured segment at attention and starts the next
         # (docs/gpu-overlap.md); the model then joins the routed sum before attention.
-        step = Step(positions, forward_batch, zero_allocator, is_in_breakable_cuda_graph())
+        step = Step(positions, forward_batch, zero_allocator, is_in_breakable_cuda_graph(), rows)
         lanes = Lanes()
         try:
             for k, layer in enumerate(self.layers):
@@ -127,18 +141,20 @@ class FarSkipDeepseekV2Model(DeepseekV2Model):
         if self.comm.profiler is not None:
             self.comm.profiler.flush()
         if forward_batch.forward_mode.is_idle():
-            return _add(_add(x, lanes.attn), lanes.routed)
-        return _add_norm(self.norm, x, lanes.attn, lanes.routed)[0]  # the final norm reads the full h[L-1]
+            out = _add(_add(x, lanes.attn), lanes.routed)
+        else:
+            out = _add_norm(self.norm, x, lanes.attn, lanes.routed)[0]  # the final norm reads the full h[L-1]
+        return out if rows is None else rows.to_local(out)  # [T_g, H] -> [T_d, H]
 
     def _layer(self, k: int, layer, x: torch.Tensor, lanes: Lanes, step: Step) -> tuple[torch.Tensor, Lanes]:
         w, comm = self.wiring[k], self.comm
         routed = lanes.routed
         if w.attn_skips_prev_routed:
-            h, x = _add_norm(layer.input_layernorm, x, lanes.attn)  # x = h[k-1] - r[k-1]
+            h, x = _add_norm(layer.input_layernorm, x, lanes.attn, rows=step.rows)  # x = h[k-1] - r[k-1]
             if step.graph_breaks and routed is not None:
                 routed.join()  # summed in this segment, added after the attention as always
         else:
-            (h, x), routed = _add_norm(layer.input_layernorm, x, lanes.attn, routed), None  # h[k-1]
+            (h, x), routed = _add_norm(layer.input_layernorm, x, lanes.attn, routed, rows=step.rows), None  # h[k-1]
         a = _attention(layer, h, step)
         comm.mark_compute()
 
@@ -166,7 +182,15 @@ def _plus(a: Optional[torch.Tensor], s: torch.Tensor) -> torch.Tensor:
 
 
 def _attention(layer, h: torch.Tensor, step: Step) -> torch.Tensor:
-    """Upstream MLA (prefill or decode path, picked by the attention backend) -> o_proj partial."""
+    """Upstream MLA (prefill or decode path, picked by the attention backend) -> o_proj partial.
+    Under DP attention h holds this rank's rows: [T_d, H] -> MLA -> [T_g, H]."""
+    if step.rows is None:
+        return _local_attention(layer, h, step)
+    # attention-TP partials: each rank places its own, the lane sums them
+    return step.rows.to_global(_local_attention(layer, h, step), replicated=False)
+
+
+def _local_attention(layer, h: torch.Tensor, step: Step) -> torch.Tensor:
     ctx = get_attn_tp_context()
     # The boundary framework normally publishes the attention input for the lazy QKV GEMM.
     ctx.set_attn_inputs(AttentionInputs(h, step.forward_batch, layer.self_attn.prepare_qkv_latent))

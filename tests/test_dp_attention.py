@@ -1,0 +1,184 @@
+"""FarSkip under DP attention (`--tp 2 --dp 2 --enable-dp-attention`): each DP rank attends
+over its own requests, the MoE runs on the tokens of both (parallel.DpRows).
+
+Every server gets the prompts twice: one at a time (the DP controller sends each request to
+one DP rank; the other runs idle forwards and must still join every collective), then all at
+once, so both DP ranks hold tokens in the same forwards. Both passes must equal reference.py
+(greedy tokens, logprobs within parity.LOGPROB_ATOL; test_server_parity shows TP=1 equals the
+reference on these prompts, so this is also equality with TP=1). Layouts: DeepSeek-V3 all
+layers (overlap and sync), a layer range with EP=2 and the MHA prefill path, Instella-MoE with
+EP=2 (AMD's layout), two node processes with one rank each, and the stock wiring.
+
+overlap vs sync, one at a time: one code path, the same all-reduces of the same partials, so
+bit-identical. The concurrent pass is not compared bitwise across servers: which requests
+share a forward depends on arrival timing, and a CPU GEMM may round a row differently in a
+batch of another size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import urllib.request
+
+import pytest
+
+from sglang_farskip import convert
+from sglang_farskip.config import FarSkipConfig
+from sglang_farskip.demo_model import build_checkpoint, kind_overrides
+from sglang_farskip.reference import load_reference
+
+from parity import FLOAT32, ONE_THREAD, PROMPTS, assert_matches_reference, served
+from serverutil import Server, free_port, side_by_side
+
+# Round robin (not SGLang's load-aware default): the one-at-a-time pass then alternates DP
+# ranks, so the last prompt (the cached-prefix extend again) reaches the rank that holds its
+# prefix: prompts 0, 2, 4 on one DP rank, prompts 1, 3 on the other (which one starts depends
+# on how many readiness polls the controller dispatched before).
+DP = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--load-balance-method", "round_robin"]
+EP = ["--ep-size", "2"]
+DP_PROMPTS = PROMPTS + [PROMPTS[3]]
+# A DP-attention server runs five SGLang processes (HTTP, DP controller, two schedulers,
+# detokenizer); two of them starting side by side on 2 cores take 2-4 minutes.
+DP_START_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    full = build_checkpoint(root / "full", seed=0)
+    assert convert.main([str(full), str(root / "range"), "--start-layer", "2", "--end-layer", "3",
+                         "--force"]) == 0
+    instella = build_checkpoint(root / "instella", seed=0, overrides=kind_overrides("instella"))
+    return {"full": full, "range": root / "range", "instella": instella}
+
+
+def serve_both_ways(server: Server) -> dict:
+    """The prompts one at a time, then all at once; and the rank reports."""
+    # Readiness polling (/health_generate, input [0]) leaves token 0, the first token of every
+    # prompt, cached on whichever DP ranks the polls reached, a number that depends on start
+    # timing; a cached token turns a prefill into an extend. Start from empty caches.
+    with urllib.request.urlopen(server.url + "/flush_cache", timeout=60) as reply:
+        assert reply.status == 200
+    one_at_a_time = served(server, DP_PROMPTS)
+    with concurrent.futures.ThreadPoolExecutor(len(DP_PROMPTS)) as pool:
+        at_once = [f.result()[0] for f in [pool.submit(served, server, [p]) for p in DP_PROMPTS]]
+    return {"one_at_a_time": one_at_a_time, "at_once": at_once,
+            "ranks": server.get("/farskip/info")["ranks"], "log": server.log_path.read_text()}
+
+
+def assert_both_match(result: dict, reference) -> float:
+    return max(assert_matches_reference(result["one_at_a_time"], reference, DP_PROMPTS),
+               assert_matches_reference(result["at_once"], reference, DP_PROMPTS))
+
+
+def assert_dp_layout(ranks: list[dict], mode: str, ep: int = 1) -> None:
+    assert [r["attn_dp_rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert (r["tp_size"], r["attn_dp_size"], r["attn_tp_size"], r["moe_ep_size"]) == (2, 2, 1, ep), r
+        assert r["mode"] == mode, r
+
+
+def both_dp_ranks_prefilled(log: str) -> set[str]:
+    """The DP ranks whose scheduler logged a prefill batch (SGLang prefixes lines "DPn TPm")."""
+    return set(re.findall(r"\[[^\]]*(DP\d) TP\d[^\]]*\] Prefill batch", log))
+
+
+# ------------------------------------------------------------------ all layers, overlap and sync
+@pytest.fixture(scope="module")
+def all_layers(checkpoints, tmp_path_factory):
+    path = str(checkpoints["full"])
+    profile = tmp_path_factory.mktemp("profile")
+    runs = {
+        "overlap": {"args": ["--model-path", path, *DP, "--farskip-profile-dir", str(profile), *FLOAT32],
+                    "env": ONE_THREAD},
+        "sync": {"args": ["--model-path", path, *DP, "--farskip-mode", "sync", *FLOAT32], "env": ONE_THREAD},
+    }
+    with side_by_side(runs, DP_START_TIMEOUT_S) as servers:
+        results = {name: serve_both_ways(s) for name, s in servers.items()}
+        info = servers["overlap"].get("/farskip/info")["launcher"]
+    results["launcher"], results["profile"] = info, profile
+    return results
+
+
+def test_all_layers_match_reference_with_both_dp_ranks_busy_and_idle(checkpoints, all_layers):
+    overlap = all_layers["overlap"]
+    assert_dp_layout(overlap["ranks"], "overlap")
+    assert {r["comm_backend"] for r in overlap["ranks"]} == {"comm-thread"}
+    assert all_layers["launcher"]["attn_dp_size"] == 2
+    assert both_dp_ranks_prefilled(overlap["log"]) == {"DP0", "DP1"}
+    worst = assert_both_match(overlap, load_reference(str(checkpoints["full"])))
+    print(f"DP attention, all layers, overlap: max |logprob - reference| = {worst:.1e}")
+
+
+def test_overlap_is_bit_identical_to_sync(all_layers):
+    assert_dp_layout(all_layers["sync"]["ranks"], "sync")
+    assert all_layers["overlap"]["one_at_a_time"] == all_layers["sync"]["one_at_a_time"]
+
+
+def test_overlap_defers_waits_under_dp_attention(all_layers):
+    for rank in (0, 1):
+        stats = json.loads((all_layers["profile"] / f"profile-rank{rank}.json").read_text())
+        for phase in ("prefill", "decode"):
+            # As in test_parallel: MoE layers 1..3; the last routed sum is drained by the final norm.
+            for lane, layers in (("attn+shared", (1, 2, 3)), ("routed", (1, 2))):
+                rows = [stats[f"{phase}/{k}/{lane}"] for k in layers]
+                assert min(r["min_steps_between"] for r in rows) >= 1, (rank, phase, lane, rows)
+
+
+# ------------------------------------------------------------------ EP, a layer range, MHA; Instella
+@pytest.fixture(scope="module")
+def with_ep(checkpoints):
+    runs = {
+        "range_mha": {"args": ["--model-path", str(checkpoints["range"]), *DP, *EP,
+                               "--farskip-cpu-attention", "mha", *FLOAT32], "env": ONE_THREAD},
+        "instella": {"args": ["--model-path", str(checkpoints["instella"]), *DP, *EP, *FLOAT32],
+                     "env": ONE_THREAD},
+    }
+    with side_by_side(runs, DP_START_TIMEOUT_S) as servers:
+        return {name: serve_both_ways(s) for name, s in servers.items()}
+
+
+def test_layer_range_with_ep_and_mha_prefill_matches_reference(checkpoints, with_ep):
+    result = with_ep["range_mha"]
+    assert_dp_layout(result["ranks"], "overlap", ep=2)
+    assert [r["converted_layers"] for r in result["ranks"]] == [[2, 3]] * 2
+    methods = [r["attention_methods"] for r in result["ranks"]]
+    assert all({"MHA", "MLA"} <= set(m) for m in methods), methods  # both prefilled and decoded
+    assert any("MHA_CHUNKED_KV" in m for m in methods), methods  # prompt 4 extends prompt 2's prefix
+    worst = assert_both_match(result, load_reference(str(checkpoints["range"])))
+    print(f"DP attention, layers 2..3, EP=2, MHA prefill: max |logprob - reference| = {worst:.1e}")
+
+
+def test_instella_with_ep_matches_reference(checkpoints, with_ep):
+    result = with_ep["instella"]
+    assert_dp_layout(result["ranks"], "overlap", ep=2)
+    assert all(r["gated_attention"] for r in result["ranks"])
+    worst = assert_both_match(result, load_reference(str(checkpoints["instella"])))
+    print(f"DP attention, Instella-MoE, EP=2: max |logprob - reference| = {worst:.1e}")
+
+
+# ------------------------------------------------------------------ two nodes; stock wiring
+def test_two_node_processes_match_reference(checkpoints):
+    path = str(checkpoints["full"])
+    addr = f"127.0.0.1:{free_port()}"
+    runs = {f"node{rank}": {"args": ["--model-path", path, *DP, *EP, "--nnodes", "2",
+                                     "--node-rank", str(rank), "--dist-init-addr", addr,
+                                     "--dist-timeout", "60", *FLOAT32], "env": ONE_THREAD}
+            for rank in (0, 1)}
+    with side_by_side(runs, DP_START_TIMEOUT_S, serving=["node0"]) as servers:
+        result = serve_both_ways(servers["node0"])
+    (rank0,) = result["ranks"]  # node 0 reports its own rank
+    assert (rank0["attn_dp_rank"], rank0["attn_dp_size"], rank0["mode"]) == (0, 2, "overlap")
+    worst = assert_both_match(result, load_reference(path))
+    print(f"DP attention, two nodes, EP=2: max |logprob - reference| = {worst:.1e}")
+
+
+def test_stock_wiring_with_ep_matches_the_stock_reference(checkpoints):
+    path = str(checkpoints["full"])
+    with Server(["--model-path", path, *DP, *EP, "--farskip-mode", "off", *FLOAT32], env=ONE_THREAD) as server:
+        server.wait_ready(DP_START_TIMEOUT_S)
+        result = serve_both_ways(server)
+    assert [r["mode"] for r in result["ranks"]] == ["off", "off"]
+    assert_both_match(result, load_reference(path, farskip=FarSkipConfig(enabled=False)))
