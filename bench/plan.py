@@ -14,13 +14,16 @@ collectives on a compute stream and one FIFO communication stream.
 Notation
     N        ranks of the TP/EP group (attention TP = MoE EP = N without DP attention)
     dp       DP-attention ranks; attention then runs on T/dp local tokens at TP N/dp
-    T        tokens of one forward: prefill batch x prompt, decode batch
+             (docs/dp-attention.md: FarSkip keeps the residual for all T rows on every rank)
+    T        tokens of one forward of the whole group: prefill batch x prompt, decode batch
     ctx      attention context of a sequence: the prompt in prefill, the KV length in decode
     A, S, R  attention (to the o_proj partial), shared experts (a dense layer: its whole MLP),
              routed experts with their router;  M  one residual add + RMSNorm
     X(b)     time of an all-reduce of b bytes (the cluster); b = T x hidden x 2 (bf16 sums)
     A lane   AR(a+s) of layer k: launched after S_k, waited before attention k+1
     R lane   AR(r) of layer k: launched after R_k, waited before the MLP of layer k+1
+             (under DP attention both are ARs of T x hidden over the group; stock DP instead
+             all-gathers the MoE input and reduce-scatters its output, both blocking)
     window   compute the schedule puts between a collective's launch and its wait
     gamma    contention: the fraction of compute throughput lost while a collective is in
              flight (--contention); 0 = perfect overlap
@@ -441,8 +444,9 @@ class Ins:
     kind: str  # "compute" | "launch" | "wait"
     name: str  # compute: op name; launch: collective label
     us: float = 0.0
-    layer: int = -1
+    layer: int = -1  # -1: before layer 0 (the DP embedding gather)
     cid: int = -1
+    link_bytes: float = 0.0  # launch: bytes through each rank's link (ring algorithm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,9 +482,9 @@ class Program:
     def compute(self, name: str, us: float, layer: int) -> None:
         self.ins.append(Ins("compute", name, us, layer))
 
-    def launch(self, label: str, us: float, layer: int) -> int:
+    def launch(self, label: str, us: float, layer: int, link_bytes: float = 0.0) -> int:
         cid = sum(1 for i in self.ins if i.kind == "launch")
-        self.ins.append(Ins("launch", label, us, layer, cid))
+        self.ins.append(Ins("launch", label, us, layer, cid, link_bytes))
         return cid
 
     def wait(self, *cids: Optional[int]) -> None:
@@ -488,75 +492,101 @@ class Program:
             if c is not None:
                 self.ins.append(Ins("wait", "", 0.0, -1, c))
 
-    def blocking(self, label: str, us: float, layer: int) -> None:
-        self.wait(self.launch(label, us, layer))
+    def blocking(self, label: str, us: float, layer: int, link_bytes: float = 0.0) -> None:
+        self.wait(self.launch(label, us, layer, link_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Every per-layer piece of one forward, in us."""
+    """Every per-layer piece of one forward, in us (T tokens of the whole TP/EP group, T/dp of
+    them on one DP-attention rank), and the link bytes of each collective."""
 
-    attn: float
-    shared: float
+    attn: float  # the T/dp local tokens at attention TP N/dp (all T at TP N without DP)
+    shared: float  # all T tokens at TP N: the MoE input holds every DP rank's rows
     routed: float
-    dense: float
-    norm: float
+    dense: float  # all T tokens at TP N
+    norm: float  # one add + RMSNorm of the T/dp local rows (stock; all T rows without DP)
+    norm_rows: float  # the same on all T rows: FarSkip under DP keeps the residual for the group
     head: float
-    ar_layer: float  # AR of a [T, hidden] partial over the whole group
-    ar_attn: float  # DP attention: AR of a [T/dp, hidden] partial over the attention TP group
-    gather: float  # DP attention: all-gather of the MoE input, [T, hidden] in all
-    scatter: float  # DP attention: reduce-scatter of the routed output, [T, hidden] in all
+    ar_layer: float  # AR of a [T, hidden] partial over the whole group (every FarSkip lane, the DP embedding gather)
+    ar_attn: float  # stock DP attention: AR of a [T/dp, hidden] partial over the attention TP group
+    gather: float  # stock DP attention: all-gather of the MoE input, [T, hidden] in all
+    scatter: float  # stock DP attention: reduce-scatter of the MoE output, [T, hidden] in all
+    lb_ar: float = 0.0  # bytes through each rank's link, ring algorithm: 2(n-1)/n of the message
+    lb_attn: float = 0.0
+    lb_gather: float = 0.0  # (n-1)/n of the gathered [T, hidden]
+    lb_scatter: float = 0.0  # (n-1)/n of the scattered [T, hidden]
 
 
 def layer_costs(shape: Shape, layout: Layout, phase: Phase, ops: Callable, comm, gather=None, scatter=None,
                 attn_comm=None) -> Costs:
-    T, dp, N = phase.tokens, layout.dp, layout.tp
+    T, dp, N, A = phase.tokens, layout.dp, layout.tp, layout.attn_tp
     local = T / dp
     attn_op = "attention_prefill" if phase.kind == "prefill" else "attention_decode"
     nbytes = T * shape.hidden * BF16
     sequences = phase.batch  # logits only for each sequence's last token
     return Costs(
-        attn=ops(attn_op, local, phase.context, layout.attn_tp),
-        shared=ops("shared_experts", local, 0, layout.attn_tp) if shape.shared else 0.0,
+        attn=ops(attn_op, local, phase.context, A),
+        shared=ops("shared_experts", T, 0, N) if shape.shared else 0.0,
         routed=ops("routed_experts", T, 0, N),
         dense=ops("dense_mlp", T, 0, N),
-        norm=ops("norm_add", local, 0, layout.attn_tp),
-        head=ops("head", sequences / dp, 0, layout.attn_tp),
+        norm=ops("norm_add", local, 0, A),
+        norm_rows=ops("norm_add", T, 0, N) if dp > 1 else ops("norm_add", local, 0, A),
+        head=ops("head", sequences / dp, 0, A),
         ar_layer=comm.us(nbytes),
-        ar_attn=(attn_comm or comm).us(nbytes / dp) if layout.attn_tp > 1 else 0.0,
+        ar_attn=(attn_comm or comm).us(nbytes / dp) if dp > 1 and A > 1 else 0.0,
         gather=gather.us(nbytes) if gather else comm.us(nbytes) / 2,
         scatter=scatter.us(nbytes) if scatter else comm.us(nbytes) / 2,
+        lb_ar=2 * (N - 1) / N * nbytes,
+        lb_attn=2 * (A - 1) / A * nbytes / dp if dp > 1 else 0.0,
+        lb_gather=(N - 1) / N * nbytes,
+        lb_scatter=(N - 1) / N * nbytes,
     )
 
 
 def stock_program(shape: Shape, c: Costs, dp: bool) -> Program:
-    """Stock DeepSeek-V3 in SGLang: every collective blocks where it is issued."""
+    """Stock DeepSeek-V3 in SGLang: every collective blocks where it is issued. DP attention:
+    the attention-TP AR of the local rows (attention TP > 1), the MoE input all-gathered, the
+    MoE (or dense MLP) output reduce-scattered back to the DP ranks."""
     p = Program()
     for k in range(shape.layers):
         p.compute("norm", c.norm, k)
         p.compute("attention", c.attn, k)
         if not dp:
-            p.blocking("AR(a)", c.ar_layer, k)
+            p.blocking("AR(a)", c.ar_layer, k, c.lb_ar)
         elif c.ar_attn:
-            p.blocking("AR_attn(a)", c.ar_attn, k)
+            p.blocking("AR_attn(a)", c.ar_attn, k, c.lb_attn)
         p.compute("norm", c.norm, k)
         if dp:
-            p.blocking("AG(x)", c.gather, k)
+            p.blocking("AG(x)", c.gather, k, c.lb_gather)
         if shape.is_moe(k):
             p.compute("shared", c.shared, k)
             p.compute("routed", c.routed, k)
         else:
             p.compute("dense_mlp", c.dense, k)
-        p.blocking("RS(s+r)" if dp else "AR(s+r)", c.scatter if dp else c.ar_layer, k)
+        if dp:
+            p.blocking("RS(s+r)", c.scatter, k, c.lb_scatter)
+        else:
+            p.blocking("AR(s+r)", c.ar_layer, k, c.lb_ar)
     p.compute("norm", c.norm, shape.layers)
     return p
 
 
-def farskip_program(shape: Shape, c: Costs, blocking: bool) -> Program:
-    """The FarSkip forward of models/deepseek_v3.py (_layer), TP attention: the same launches and
-    waits in the same order; `blocking` waits each collective where it is launched (sync)."""
+def farskip_program(shape: Shape, c: Costs, blocking: bool, dp: bool = False) -> Program:
+    """The FarSkip forward of models/deepseek_v3.py (_layer): the same launches and waits in the
+    same order; `blocking` waits each collective where it is launched (sync).
+
+    `dp` (DP attention, docs/dp-attention.md, parallel.DpRows): the residual holds all T rows of
+    the group on every rank, so the program is the same: every lane is one AR of [T, hidden]
+    over the group (the attention partial of the local rows, placed in its rows, rides the A
+    lane; no attention-TP AR of its own), norms run on all T rows, and one exposed AR gathers
+    the embeddings before layer 0."""
     p, fs = Program(), shape.farskip
-    issue = (lambda label, us, k: p.blocking(label, us, k)) if blocking else p.launch
+    X, B = c.ar_layer, c.lb_ar
+    issue = (lambda label, us, k: p.blocking(label, us, k, B)) if blocking else \
+        (lambda label, us, k: p.launch(label, us, k, B))
+    if dp:
+        p.blocking("AR(embed)", X, -1, B)  # [T/dp] -> [T] rows: waited before layer 0's norm
     attn_lane = routed_lane = None
     for k in range(shape.layers):
         if fs.attn_skips_prev_routed(k):
@@ -564,59 +594,27 @@ def farskip_program(shape: Shape, c: Costs, blocking: bool) -> Program:
         else:
             p.wait(attn_lane, routed_lane)  # the full h[k-1]
             routed_lane = None
-        p.compute("norm", c.norm, k)
+        p.compute("norm", c.norm_rows, k)
         p.compute("attention", c.attn, k)
         if fs.mlp_skips_attn(k):
             p.wait(routed_lane)  # MLP input h[k-1]
             label = "AR(a+s)"
         else:
-            a = issue("AR(a)", c.ar_layer, k)
+            a = issue("AR(a)", X, k)
             p.wait(routed_lane, a)  # MLP input h[k-1] + a[k]
             label = "AR(s)"
         routed_lane = None
-        p.compute("norm", c.norm, k)
+        p.compute("norm", c.norm_rows, k)
         if not shape.is_moe(k):  # the dense output rides the A lane, read by the next attention
             p.compute("dense_mlp", c.dense, k)
-            attn_lane = issue(label, c.ar_layer, k)
+            attn_lane = issue(label, X, k)
             continue
         p.compute("shared", c.shared, k)
-        attn_lane = issue(label, c.ar_layer, k)
+        attn_lane = issue(label, X, k)
         p.compute("routed", c.routed, k)
-        routed_lane = issue("AR(r)", c.ar_layer, k)
+        routed_lane = issue("AR(r)", X, k)
     p.wait(attn_lane, routed_lane)  # the final norm reads the full h[L-1]
-    p.compute("norm", c.norm, shape.layers)
-    return p
-
-
-def farskip_dp_program(shape: Shape, c: Costs, blocking: bool) -> Program:
-    """DP attention (DESIGN.md section 6; not yet in the project's code): attention and shared
-    experts on local tokens, the MoE input gathered behind the shared experts, the routed output
-    reduce-scattered behind the next attention; dense layers' collectives waited at once."""
-    p = Program()
-    issue = (lambda label, us, k: p.blocking(label, us, k)) if blocking else p.launch
-    attn_lane: list = []
-    routed_lane = None
-    for k in range(shape.layers):
-        p.wait(*attn_lane)
-        p.compute("norm", c.norm, k)
-        p.compute("attention", c.attn, k)
-        p.wait(routed_lane)  # the MoE input h[k-1] needs the previous routed return
-        routed_lane = None
-        p.compute("norm", c.norm, k)
-        gather = issue("AG(x)", c.gather, k)
-        if not shape.is_moe(k):
-            a = issue("AR_attn(a)", c.ar_attn, k) if c.ar_attn else None
-            p.wait(gather)
-            p.compute("dense_mlp", c.dense, k)
-            attn_lane = [a, issue("RS(s)", c.scatter, k)]
-            continue
-        p.compute("shared", c.shared, k)
-        attn_lane = [issue("AR_attn(a+s)", c.ar_attn, k) if c.ar_attn else None]
-        p.wait(gather)
-        p.compute("routed", c.routed, k)
-        routed_lane = issue("RS(r)", c.scatter, k)
-    p.wait(*attn_lane, routed_lane)
-    p.compute("norm", c.norm, shape.layers)
+    p.compute("norm", c.norm_rows, shape.layers)
     return p
 
 
@@ -630,6 +628,7 @@ class Collective:
     window_us: float = 0.0  # compute issued between launch and wait (no contention)
     window_ops: tuple = ()
     stall_us: float = 0.0  # time the compute stream waited for it
+    link_bytes: float = 0.0  # bytes through each rank's link (ring algorithm)
 
 
 @dataclasses.dataclass
@@ -646,6 +645,10 @@ class Run:
     @property
     def exposed_us(self) -> float:
         return sum(c.stall_us for c in self.collectives)
+
+    @property
+    def link_bytes(self) -> float:
+        return sum(c.link_bytes for c in self.collectives)
 
     @property
     def hidden(self) -> float:
@@ -690,7 +693,7 @@ def simulate(program: Program, contention: float, extra_us: float = 0.0) -> Run:
             comm_free = ends[ins.cid] = start + ins.us
             if ins.us > 0:
                 busy.append((start, comm_free))
-            colls[ins.cid] = Collective(ins.cid, ins.name, ins.layer, ins.us)
+            colls[ins.cid] = Collective(ins.cid, ins.name, ins.layer, ins.us, link_bytes=ins.link_bytes)
             pending[ins.cid] = []
         else:
             c, seen = colls[ins.cid], pending.pop(ins.cid)
@@ -745,12 +748,11 @@ def make_plan(shape: Shape, layout: Layout, phase: Phase, ops, comm, contention:
         raise PlanError(f"--contention {contention}: must be in [0, 1)")
     c = layer_costs(shape, layout, phase, ops, comm, gather, scatter, attn_comm)
     dp = layout.dp > 1
-    fs = farskip_dp_program if dp else farskip_program
     extra = c.head + overhead_us
     runs = {"stock": simulate(stock_program(shape, c, dp), contention, extra),
-            "sync": simulate(fs(shape, c, True), contention, extra),
-            "overlap": simulate(fs(shape, c, False), contention, extra)}
-    ideal = runs["overlap"] if contention == 0 else simulate(fs(shape, c, False), 0.0, extra)
+            "sync": simulate(farskip_program(shape, c, True, dp), contention, extra),
+            "overlap": simulate(farskip_program(shape, c, False, dp), contention, extra)}
+    ideal = runs["overlap"] if contention == 0 else simulate(farskip_program(shape, c, False, dp), 0.0, extra)
     return Plan(shape, layout, phase, c, contention, runs, ideal, ops.label, f"{comm.name}: {comm.source}")
 
 
@@ -777,10 +779,6 @@ def check_layout(shape: Shape, layout: Layout) -> None:
         raise PlanError(f"{shape.name}: {shape.heads} attention heads do not split over attention TP {layout.attn_tp}")
     if shape.experts % layout.tp:
         raise PlanError(f"{shape.name}: {shape.experts} routed experts do not split over EP {layout.tp}")
-    fs = shape.farskip
-    partial = fs.attn_only or fs.mlp_only or any(not fs.converted(k) for k in range(shape.layers))
-    if layout.dp > 1 and partial:
-        raise PlanError("--dp: only the full FarSkip conversion (every layer, both inputs) is modelled with DP attention")
 
 
 # ================================================================== output
@@ -789,6 +787,8 @@ def _ms(us: float) -> str:
 
 
 def _verdict(c: Collective, is_last: bool) -> str:
+    if c.label == "AR(embed)":
+        return "exposed: gathers every DP rank's embeddings before layer 0, once per forward"
     if c.window_us <= 0:
         return "exposed: the last routed collective, nothing left to hide behind" if is_last else "exposed: waited at once"
     if c.stall_us <= 1e-9:
@@ -796,6 +796,10 @@ def _verdict(c: Collective, is_last: bool) -> str:
     if c.window_us < c.us:
         return f"window shorter than the collective: {c.stall_us:.0f} us exposed"
     return f"{c.stall_us:.0f} us exposed (queued behind the previous collective or slowed compute)"
+
+
+def shape_is_moe(plan: Plan, layer: int) -> bool:
+    return 0 <= layer < plan.shape.layers and plan.shape.is_moe(layer)
 
 
 def layer_view(plan: Plan) -> list[dict]:
@@ -823,14 +827,23 @@ def format_plan(plan: Plan) -> str:
            f"  per-op times: {plan.ops_label}", f"  all-reduce:   {plan.comm_label}"]
     if s.farskip_assumed:
         out.append("  note: the config is not FarSkip; planned as if every layer were converted")
-    c = plan.costs
-    out.append(f"  per layer, us: attention {c.attn:.1f}  shared {c.shared:.1f}  routed {c.routed:.1f}  dense MLP "
-               f"{c.dense:.1f}  norm+add {c.norm:.1f}  AR {c.ar_layer:.1f}"
-               + (f"  AR_attn {c.ar_attn:.1f}  AG {c.gather:.1f}  RS {c.scatter:.1f}" if L.dp > 1 else ""))
-    out.append(f"  {'mode':<8} {'step ms':>9} {'compute':>9} {'exposed':>9} {'contention':>10} {'collectives':>11} {'hidden':>7}")
+    c, dp = plan.costs, L.dp > 1
+    if dp:
+        T = plan.phase.tokens
+        out.append(f"  per layer, us: attention ({T / L.dp:g} local rows) {c.attn:.1f}  shared {c.shared:.1f}  routed "
+                   f"{c.routed:.1f}  dense MLP {c.dense:.1f}  norm+add {c.norm:.1f} ({T / L.dp:g} rows), "
+                   f"{c.norm_rows:.1f} ({T} rows)")
+        out.append(f"  collectives, us: FarSkip AR of {T} x hidden over {L.tp} ranks {c.ar_layer:.1f};  stock "
+                   + (f"AR_attn of {T / L.dp:g} x hidden over {L.attn_tp} {c.ar_attn:.1f}, " if c.ar_attn else "")
+                   + f"AG(x) {c.gather:.1f}, RS {c.scatter:.1f}")
+    else:
+        out.append(f"  per layer, us: attention {c.attn:.1f}  shared {c.shared:.1f}  routed {c.routed:.1f}  dense MLP "
+                   f"{c.dense:.1f}  norm+add {c.norm:.1f}  AR {c.ar_layer:.1f}")
+    out.append(f"  {'mode':<8} {'step ms':>9} {'compute':>9} {'exposed':>9} {'contention':>10} {'collectives':>11} "
+               f"{'hidden':>7} {'MB/rank':>8}")
     for mode, r in plan.runs.items():
         out.append(f"  {mode:<8} {_ms(r.step_us):>9} {_ms(r.compute_us):>9} {_ms(r.exposed_us):>9} "
-                   f"{_ms(r.contention_us):>10} {len(r.collectives):>11} {r.hidden:>6.1%}")
+                   f"{_ms(r.contention_us):>10} {len(r.collectives):>11} {r.hidden:>6.1%} {r.link_bytes / 1e6:>8.1f}")
     n_win, n_all = plan.windowed_count
     out.append(f"  speed-up overlap/stock {plan.speedup():.3f}x, overlap/sync {plan.speedup(over='sync'):.3f}x, "
                f"sync/stock {plan.speedup('sync', 'stock'):.3f}x")
@@ -839,9 +852,22 @@ def format_plan(plan: Plan) -> str:
                f"{plan.runs['stock'].step_us / plan.ideal.step_us:.3f}x")
     out.append(f"  windows: {n_win} of {n_all} collectives ({n_win / n_all:.1%}); ceiling on hidden "
                f"{plan.windowed_share:.1%} of communication time")
+    if dp:
+        fs, st = plan.runs["overlap"], plan.runs["stock"]
+        out.append(f"  DP attention: FarSkip moves {fs.link_bytes / st.link_bytes:.2f}x stock's link bytes "
+                   f"(collectives {fs.comm_us / 1000:.3f} ms a step, stock's {st.comm_us / 1000:.3f} ms, every one "
+                   f"exposed); overlap floor max(compute, collectives) {_ms(max(fs.compute_us, fs.comm_us))} ms")
+        stock_moe = [x for x in st.collectives if shape_is_moe(plan, x.layer)]
+        per = {}
+        for x in stock_moe:
+            per.setdefault(x.label, x.us)
+        out.append("  stock DP, every MoE layer (all blocking, nothing hidden): "
+                   + " + ".join(f"{lab} {us:.1f}" for lab, us in per.items()) + " us")
+        out.append("  FarSkip DP, per layer: A lane = AR(attention partial in own rows + shared) hides behind the "
+                   "routed experts; R lane = AR(routed) behind the next layer's norm + attention (local rows)")
     out.append("  per layer (overlap): collective us | window (compute between launch and wait) us | exposed us | verdict")
     for row in layer_view(plan):
-        span = f"layer {row['first']}" if row["first"] == row["last"] else \
+        span = "embeddings" if row["first"] < 0 else f"layer {row['first']}" if row["first"] == row["last"] else \
             f"layers {row['first']}-{row['last']} ({row['last'] - row['first'] + 1})"
         for i, (label, us, ops, win, stall, verdict) in enumerate(row["items"]):
             out.append(f"    {span if i == 0 else '':<20} {label:<13} {us:>9.1f} | {ops:<16} {win:>9.1f} | {stall:>8.1f} | {verdict}")
@@ -858,7 +884,7 @@ def plan_json(plan: Plan) -> dict:
         "costs_us": dataclasses.asdict(plan.costs),
         "modes": {m: {"step_us": r.step_us, "compute_us": r.compute_us, "exposed_comm_us": r.exposed_us,
                       "contention_us": r.contention_us, "comm_us": r.comm_us, "collectives": len(r.collectives),
-                      "hidden": r.hidden} for m, r in plan.runs.items()},
+                      "hidden": r.hidden, "link_bytes_per_rank": r.link_bytes} for m, r in plan.runs.items()},
         "speedup_overlap_vs_stock": plan.speedup(), "speedup_overlap_vs_sync": plan.speedup(over="sync"),
         "f_stock": plan.f, "bound": 1 / (1 - plan.f), "link_bound": 1 / max(plan.f, 1 - plan.f),
         "schedule_ceiling": plan.runs["stock"].step_us / plan.ideal.step_us,
@@ -891,7 +917,7 @@ def plot_plans(plans: list[Plan], path: str) -> None:
     p = plans[-1]
     run = p.runs["overlap"]
     layers = sorted({c.layer for c in run.collectives})
-    routed = {"AR(r)", "RS(r)"}
+    routed = {"AR(r)"}
     r_lane = [sum(c.stall_us for c in run.collectives if c.layer == k and c.label in routed) / 1000 for k in layers]
     others = [sum(c.stall_us for c in run.collectives if c.layer == k and c.label not in routed) / 1000 for k in layers]
     right.bar(layers, r_lane, color="C3", label="R lane exposed")
@@ -974,7 +1000,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="deepseek-v3",
                    help=f"built-in ({', '.join(BUILTIN_MODELS)}) or a config.json / checkpoint folder")
     p.add_argument("--tp", type=int, default=16, help="TP = EP group size N (8 or 16 for the paper's layouts)")
-    p.add_argument("--dp", type=int, default=1, help="DP-attention ranks (attention TP = tp/dp); DESIGN.md section 6")
+    p.add_argument("--dp", type=int, default=1, help="DP-attention ranks (attention TP = tp/dp); docs/dp-attention.md")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default tp/8, at least 1): picks the default cluster")
     phase = p.add_mutually_exclusive_group()
     phase.add_argument("--prefill", help="prompt length(s), comma-separated, e.g. 1024,2048,4096,8192")
@@ -987,9 +1013,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which all_reduce_perf time to use: in-place (default), out-of-place, or the smaller")
     p.add_argument("--link-mbit", type=float, help="instead of a table: a link of this many Mbit/s (CPU testbed)")
     p.add_argument("--link-latency-us", type=float, default=0.0, help="with --link-mbit: fixed cost per collective")
-    p.add_argument("--gather-cluster", help="--dp: all_gather_perf output (default: half the all-reduce time)")
-    p.add_argument("--scatter-cluster", help="--dp: reduce_scatter_perf output (default: half the all-reduce time)")
-    p.add_argument("--attn-cluster", help="--dp: all_reduce_perf of the attention TP group (default: --cluster)")
+    p.add_argument("--gather-cluster", help="--dp, stock: all_gather_perf output (default: half the all-reduce time)")
+    p.add_argument("--scatter-cluster", help="--dp, stock: reduce_scatter_perf output (default: half the all-reduce time)")
+    p.add_argument("--attn-cluster", help="--dp, stock: all_reduce_perf of the attention TP group (default: --cluster)")
     p.add_argument("--ops", help="per-op JSON of the bare GPU check (default: roofline of --gpu/--dtype)")
     p.add_argument("--gpu", choices=sorted(BUILTIN_GPUS), default="MI300X", help="roofline GPU")
     p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="roofline weight/GEMM precision")

@@ -186,13 +186,110 @@ def test_missing_or_malformed_ops_exit_2(tmp_path, capsys):
     assert "malformed" in _one_error_line(capsys)
 
 
-def test_dp_attention_gathers_behind_shared_and_scatters_behind_attention():
+# DP attention (docs/dp-attention.md): FarSkip keeps the residual for all T rows on every rank,
+# so every lane is one AR of T x hidden over the group; stock gathers the MoE input and
+# reduce-scatters its output (plus an attention-TP AR of the local rows when N/dp > 1).
+def _dp_counts(run):
+    out = {}
+    for c in run.collectives:
+        out[c.label] = out.get(c.label, 0) + 1
+    return out
+
+
+def test_dp_attention_lanes_hide_behind_the_model_codes_windows():
     p = _plan(_decode(256), plan.BUILTIN_CLUSTERS["nv-ib"], tp=16, dp=2)
     by = {(c.layer, c.label): c for c in p.ideal.collectives}
-    assert by[(10, "AG(x)")].window_ops == ("shared[10]",)
-    assert by[(10, "RS(r)")].window_ops == ("norm[11]", "attention[11]")
-    assert by[(10, "AR_attn(a+s)")].window_ops == ("routed[10]",)
-    assert len(p.runs["stock"].collectives) == len(p.runs["sync"].collectives)
+    assert by[(10, "AR(a+s)")].window_ops == ("routed[10]",)  # A lane: attention partial + shared
+    assert by[(10, "AR(r)")].window_ops == ("norm[11]", "attention[11]")  # R lane: next attention
+    x = p.costs.ar_layer
+    assert all(c.us == x for c in p.ideal.collectives)  # every FarSkip collective: one AR of T x hidden
+    exposed = [(c.layer, c.label) for c in p.ideal.collectives if c.window_us == 0]
+    assert exposed == [(-1, "AR(embed)"), (0, "AR(a+s)"), (1, "AR(a+s)"), (2, "AR(a+s)"), (60, "AR(r)")]
+    assert _dp_counts(p.runs["sync"]) == _dp_counts(p.runs["overlap"]) == {"AR(embed)": 1, "AR(a+s)": 61, "AR(r)": 58}
+    # no attention-TP AR of its own in FarSkip; stock waits it, the gather and the reduce-scatter
+    assert _dp_counts(p.runs["stock"]) == {"AR_attn(a)": 61, "AG(x)": 61, "RS(s+r)": 61}
+    assert [c.stall_us for c in p.runs["stock"].collectives] == pytest.approx([c.us for c in p.runs["stock"].collectives])
+    assert p.costs.ar_attn == pytest.approx(plan.BUILTIN_CLUSTERS["nv-ib"].us(256 / 2 * DSV3.hidden * 2))
+    attn_ar = {round(c.link_bytes) for c in p.runs["stock"].collectives if c.label == "AR_attn(a)"}
+    assert attn_ar == {round(2 * 7 / 8 * 128 * DSV3.hidden * 2)}  # 128 local rows over attention TP 8
+
+
+def test_dp_embedding_gather_is_one_exposed_all_reduce():
+    comm = plan.BUILTIN_CLUSTERS["mi300x-xgmi"]
+    for run in ("sync", "overlap"):
+        p = _plan(_decode(256), comm, tp=8, dp=8)
+        embed = [c for c in p.runs[run].collectives if c.label == "AR(embed)"]
+        assert len(embed) == 1 and embed[0].layer == -1 and embed[0].window_us == 0
+        assert embed[0].stall_us == pytest.approx(p.costs.ar_layer)  # exposed in full, even in overlap
+        assert embed[0].link_bytes == pytest.approx(2 * 7 / 8 * 256 * DSV3.hidden * 2)
+    assert not [c for c in p.runs["stock"].collectives if c.label == "AR(embed)"]
+    assert not [c for c in _plan(_decode(256), comm, tp=8).runs["sync"].collectives if c.label == "AR(embed)"]
+
+
+def test_dp_sync_step_is_compute_plus_every_all_reduce():
+    """FarSkip-sync waits each collective: its step is compute + (1 embedding gather + 61 A lanes
+    + 58 R lanes) x AR(T x hidden). Fails if the embedding gather were dropped."""
+    p = _plan(_prefill(4096), plan.BUILTIN_CLUSTERS["mi300x-xgmi"], tp=8, dp=8)
+    c, sync = p.costs, p.runs["sync"]
+    assert sync.comm_us == pytest.approx(120 * c.ar_layer)
+    assert sync.exposed_us == pytest.approx(120 * c.ar_layer)
+    assert sync.step_us == pytest.approx(sync.compute_us + 120 * c.ar_layer)
+    moe = sum(DSV3.is_moe(k) for k in range(61))
+    compute = 61 * c.attn + moe * (c.shared + c.routed) + (61 - moe) * c.dense + 123 * c.norm_rows + c.head
+    assert sync.compute_us == pytest.approx(compute)
+    # the overlap run still waits the embedding gather, the 3 dense A lanes and the last R lane
+    assert p.runs["overlap"].exposed_us >= 5 * c.ar_layer - 1e-6
+
+
+def test_dp_at_d_equal_n_farskip_moves_twice_stocks_bytes_per_moe_layer():
+    link = plan.LinkModel("link", "test", 8, mbit=400_000, latency_us=0.0)  # pure bandwidth
+    p = _plan(_decode(256), link, tp=8, dp=8)
+    assert p.layout.attn_tp == 1 and p.costs.ar_attn == 0.0
+    for k in (3, 30, 60):
+        fs = sum(c.link_bytes for c in p.runs["overlap"].collectives if c.layer == k)
+        st = sum(c.link_bytes for c in p.runs["stock"].collectives if c.layer == k)
+        assert fs == pytest.approx(2 * st)
+        assert st == pytest.approx(2 * 7 / 8 * 256 * DSV3.hidden * 2)  # AG + RS = one ring AR's bytes
+        fs_us = sum(c.us for c in p.runs["overlap"].collectives if c.layer == k)
+        assert fs_us == pytest.approx(2 * sum(c.us for c in p.runs["stock"].collectives if c.layer == k))
+    # over the step: 120 ARs against 61 gathers + 61 reduce-scatters
+    assert p.runs["sync"].link_bytes == pytest.approx(120 / 61 * p.runs["stock"].link_bytes)
+
+
+def test_dp_free_communication_makes_all_modes_equal_but_for_the_row_work():
+    free = plan.LinkModel("free", "test", 16, mbit=1e30, latency_us=0.0)
+    for phase in (_decode(256), _prefill(4096)):
+        p = _plan(phase, free, contention=0.3, tp=16, dp=4)
+        steps = {m: r.step_us for m, r in p.runs.items()}
+        assert steps["overlap"] == pytest.approx(steps["sync"], rel=1e-9)
+        # FarSkip's norms run on all T rows (the residual of the group), stock's on T/dp
+        rows = 123 * (p.costs.norm_rows - p.costs.norm)
+        assert rows > 0
+        assert steps["sync"] - steps["stock"] == pytest.approx(rows, rel=1e-9)
+
+
+@pytest.mark.parametrize("cluster", ["amd-good", "amd-poor", "nv-ib"])
+@pytest.mark.parametrize("phase", [_decode(1), _decode(256), _prefill(4096)])
+@pytest.mark.parametrize("dp", [2, 4, 16])
+def test_dp_steps_obey_their_floors(cluster, phase, dp):
+    p = _plan(phase, plan.BUILTIN_CLUSTERS[cluster], 0.15, tp=16, dp=dp)
+    o, s = p.runs["overlap"], p.runs["sync"]
+    assert o.step_us <= s.step_us + 1e-6
+    assert o.step_us >= max(o.compute_us, o.comm_us) - 1e-6  # one FIFO stream, one compute stream
+    assert p.speedup() <= 1 / (1 - p.f) + 1e-9  # stock's exposed share still bounds it (more bytes, not fewer)
+
+
+def test_dp_partial_conversions_plan_with_the_same_lanes():
+    cfg = dict(plan.BUILTIN_MODELS["deepseek-v3"], attn_only_farskip=True)
+    p = _plan(_decode(256), plan.BUILTIN_CLUSTERS["nv-ib"], shape=plan.shape_from_config(cfg, "attn-only"), dp=2)
+    assert len(p.runs["sync"].collectives) == 1 + 3 * 3 + 58 * 3 - 3  # the embedding gather, then as under TP
+
+
+def test_dp_cli_prints_the_dp_view(capsys):
+    assert plan.main(["--tp", "8", "--dp", "8", "--decode", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "AR(embed)" in out and "embeddings" in out and "stock DP, every MoE layer" in out
+    assert "FarSkip moves 1.97x stock's link bytes" in out
 
 
 def test_paper_json_and_plot(tmp_path, capsys):
