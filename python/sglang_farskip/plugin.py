@@ -20,6 +20,8 @@ that registration really happened (and the launcher checks the KV layout SGLang 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 logger = logging.getLogger("sglang_farskip.plugin")
 
@@ -62,8 +64,22 @@ def _derive_shapes_as_mla(original, model_config, *args, **kwargs):
         model_config.hf_config.architectures = archs
 
 
+# Imported first by register(), SGLang's model registry imports each of its ~260 model modules
+# (about 3-4 CPU-seconds in every SGLang process, ~10 per server start). Named as an "external
+# model package", this package is imported instead, and upstream's models load only if an
+# architecture not registered here is asked for (sglang/srt/models/registry.py; stock
+# DeepSeek-V3 weights use our class, which is upstream's when "farskip" is false).
+_MODEL_PACKAGE_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
+
+
+def _defer_upstream_model_imports() -> None:
+    if "sglang.srt.models.registry" not in sys.modules:
+        os.environ.setdefault(_MODEL_PACKAGE_ENV, "sglang_farskip.models")
+
+
 def register() -> None:
     """Entry point `farskip`: the CPU fixes, the FarSkip model classes, the MLA hook."""
+    _defer_upstream_model_imports()
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
