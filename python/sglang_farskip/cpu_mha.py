@@ -31,6 +31,7 @@ the flag nothing is counted: that would be a file write per forward.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 
 import torch
@@ -97,6 +98,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
     return out.to(v.dtype), lse.transpose(0, 1).contiguous()  # lse [H, n] -> [n, H]
 
 
+@functools.cache  # one class: cpu_spec.py subclasses it
 def _make_backend_class():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 

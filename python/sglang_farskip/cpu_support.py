@@ -11,6 +11,9 @@ Upstream gaps (fixed at plugin load, in every SGLang process, see plugin.py):
    as -1 and `moe_forward_native` indexes with them (index -1 out of bounds). We run upstream's
    function once per top-k slot on the tokens whose expert is local, so foreign slots
    contribute nothing and upstream's expert math (activation, biases) is reused unchanged.
+3. Speculative decoding (NGRAM, EAGLE): target verify and EAGLE's draft decode on torch_native,
+   and a CUDA-only synchronize in the NextN draft's set-up (cpu_spec.py); the kernel-package
+   ops those paths call have twins in the sgl_kernel stand-in.
 """
 
 from __future__ import annotations
@@ -141,14 +144,15 @@ def apply_cpu_fixes() -> None:
     global _applied
     if _applied:
         return
-    from sglang_farskip import cpu_mha
+    from sglang_farskip import cpu_mha, cpu_spec
 
     cpu_mha.install()
+    cpu_spec.install()  # after cpu_mha: it registers a subclass of cpu_mha's backend
     _make_native_moe_skip_foreign_experts()
     _make_reduce_scatterv_work_without_pynccl()
     _applied = True
     logger.info("sglang_farskip: CPU fixes applied (torch_native MLA dispatch and MHA prefill, "
-                "EP>1 native MoE, reduce-scatterv on gloo)")
+                "speculative verify and draft decode, EP>1 native MoE, reduce-scatterv on gloo)")
 
 
 def _make_native_moe_skip_foreign_experts() -> None:

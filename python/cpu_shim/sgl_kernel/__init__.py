@@ -3,7 +3,9 @@
 SGLang 0.5.23 imports a few `*_cpu` names from sgl_kernel at import time even though, on a CPU
 without AMX, it never calls them. This package satisfies those imports and nothing more: every
 name is a callable that raises as soon as it is called, so a code path that really needs a
-kernel fails loudly instead of computing garbage.
+kernel fails loudly instead of computing garbage. The exception: the ops of SGLang's
+speculative decoding on CPU, which have torch-native twins in `speculative.py` (checked against
+their GPU definitions in tests/test_spec_cpu.py).
 
 It is only put on sys.path by the CPU install (scripts/bootstrap.sh writes a .pth file that
 appends this directory *after* site-packages), so a real sgl_kernel always wins.
@@ -43,6 +45,12 @@ class MissingKernel:
 def __getattr__(name: str):
     if name.startswith("__"):
         raise AttributeError(name)
+    # The speculative-decoding ops SGLang's CPU branches import from the top level have
+    # torch-native twins (speculative.py); everything else still raises when called.
+    from sgl_kernel.speculative import TWINS
+
+    if name in TWINS:
+        return TWINS[name]
     return MissingKernel(name)
 
 
