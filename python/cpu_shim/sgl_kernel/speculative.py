@@ -48,15 +48,21 @@ def _spans(start_offset: torch.Tensor, end_offset: torch.Tensor) -> list[tuple[i
     return spans
 
 
+def _packed_spans(start_offset, end_offset, out_cache_loc):
+    """`_spans`, refusing an out_cache_loc too short for the packed total."""
+    spans = _spans(start_offset, end_offset)
+    needed = spans[-1][2] + spans[-1][1] - spans[-1][0] if spans else 0
+    if needed > out_cache_loc.numel():
+        raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} slots, the offsets need {needed}")
+    return spans
+
+
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
                                  out_cache_loc, pool_len):
     """Scatter: req_to_token[req_pool_indices[i], start[i]:end[i]] = the next end[i]-start[i]
     entries of out_cache_loc (packed request after request)."""
     table = _rows(req_to_token, pool_len)
-    spans = _spans(start_offset, end_offset)
-    needed = spans[-1][2] + spans[-1][1] - spans[-1][0] if spans else 0
-    if needed > out_cache_loc.numel():
-        raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} slots, the offsets need {needed}")
+    spans = _packed_spans(start_offset, end_offset, out_cache_loc)
     for row, (s, e, packed) in zip(req_pool_indices.tolist(), spans):
         table[row, s:e] = out_cache_loc[packed:packed + e - s].to(table.dtype)
 
@@ -67,10 +73,7 @@ def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, e
     start[i]:end[i]], packed request after request into out_cache_loc. Entries past the packed
     total are left alone (callers may size out_cache_loc for the largest case)."""
     table = _rows(req_to_token, pool_len)
-    spans = _spans(start_offset, end_offset)
-    needed = spans[-1][2] + spans[-1][1] - spans[-1][0] if spans else 0
-    if needed > out_cache_loc.numel():
-        raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} slots, the offsets need {needed}")
+    spans = _packed_spans(start_offset, end_offset, out_cache_loc)
     for row, (s, e, packed) in zip(req_pool_indices.tolist(), spans):
         out_cache_loc[packed:packed + e - s] = table[row, s:e].to(out_cache_loc.dtype)
 
