@@ -48,16 +48,18 @@ Served = list[tuple[list[int], list[float], list[list[float]]]]
 
 
 def served(server: Server, prompts: list[list[int]] = PROMPTS,
-           new_tokens: int = NEW_TOKENS) -> Served:
+           new_tokens: int = NEW_TOKENS, dp_ranks: list[int] | None = None) -> Served:
     """(tokens, chosen logprobs, top-k logprob values per step) for every prompt, sent one at a
-    time in order (so the extend prompt finds its prefix cached)."""
+    time in order (so the extend prompt finds its prefix cached). `dp_ranks`: under DP
+    attention, the DP rank each prompt is sent to (SGLang's `routed_dp_rank`)."""
     results = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         out = server.post("/generate", {
             "input_ids": prompt,
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
             "return_logprob": True,
             "top_logprobs_num": TOP_K,
+            **({"routed_dp_rank": dp_ranks[i]} if dp_ranks else {}),
         })
         meta = out["meta_info"]
         tokens = [t[1] for t in meta["output_token_logprobs"]]
