@@ -23,8 +23,8 @@ it (DESIGN section 1), so that one sum is waited at once; only MoE layers overla
 
 DP attention (`Step.rows`, see parallel.DpRows): x holds the rows of every DP rank's tokens
 [T_g, H]; norm_in and attention read this rank's rows [T_d, H] and the partial goes back in
-those rows, zero elsewhere, so the lanes above are unchanged. The embeddings are gathered once, the output
-is this rank's rows.
+those rows, zero elsewhere, so the lanes above are unchanged. The embeddings are gathered
+once; the output is this rank's rows.
 
 Upstream's DeepseekV2Model.forward runs the same sub-modules through SGLang's layer-boundary
 framework, which holds one pending sum at a time; FarSkip needs two, so the model's forward is
