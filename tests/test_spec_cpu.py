@@ -244,12 +244,18 @@ def loop_fill_accept_out_cache_loc(accept_flat, locs, out):
 # ----------------------------------------------------------------- each twin against its definition
 # check_*(kernels, ...): the twin on random inputs against the direct loop and, when `kernels`
 # (load_upstream_kernels()) is given, against SGLang's Triton kernel on the same inputs.
-def check_assign_req_to_token_pool(kernels, seed):
+def _spans_case(seed):
+    """Four requests' pool rows and [start, end) position spans of 0-7 tokens."""
     rng = random.Random(seed)
     bs = 4
     rows = torch.tensor(rng.sample(range(6), bs), dtype=torch.int64)
     start = torch.tensor([rng.randrange(0, 20) for _ in range(bs)], dtype=torch.int64)
     end = start + torch.tensor([rng.randrange(0, 8) for _ in range(bs)])
+    return rng, bs, rows, start, end
+
+
+def check_assign_req_to_token_pool(kernels, seed):
+    rng, bs, rows, start, end = _spans_case(seed)
     locs = torch.tensor([rng.randrange(1, 10_000) for _ in range(int((end - start).sum()))], dtype=torch.int64)
     table = _slot_table(rng)
     ours = table.clone()
@@ -262,11 +268,7 @@ def check_assign_req_to_token_pool(kernels, seed):
 
 
 def check_assign_extend_cache_locs(kernels, seed):
-    rng = random.Random(seed)
-    bs = 4
-    rows = torch.tensor(rng.sample(range(6), bs), dtype=torch.int64)
-    start = torch.tensor([rng.randrange(0, 20) for _ in range(bs)], dtype=torch.int64)
-    end = start + torch.tensor([rng.randrange(0, 8) for _ in range(bs)])
+    rng, bs, rows, start, end = _spans_case(seed)
     table = _slot_table(rng)
     blank = torch.full((int((end - start).sum()) + 3,), -7, dtype=torch.int64)  # a tail past the total
     ours = blank.clone()
