@@ -77,6 +77,7 @@ def refused(tmp_path_factory) -> dict[str, str | None]:
         **{name: ["--model-path", write_config(root / name, **overrides)]
            for name, (overrides, _) in BAD_CONFIGS.items()},
         **{name: ["--model-path", demo, *flags] for name, (flags, _) in UNSUPPORTED.items()},
+        "start_method_on_gpu": ["--model-path", demo, "--device", "cuda", "--farskip-cpu-start-method", "spawn"],
         "tc_piecewise": ["--model-path", demo, "--farskip-gpu-overlap",
                          "--cuda-graph-backend-prefill", "tc_piecewise"],
     }
@@ -136,6 +137,10 @@ def test_tc_piecewise_prefill_graphs_are_refused_with_overlap(refused):
     (line,) = unsupported(args, overlap=True, side_stream=True)
     assert "tc_piecewise" in line and "--cuda-graph-backend-prefill" in line and "--farskip-mode sync" in line
     assert unsupported(args, overlap=False) == []
+
+
+def test_cpu_start_method_is_refused_on_a_gpu(refused):
+    assert_refused(refused["start_method_on_gpu"], "--farskip-cpu-start-method applies to CPU runs only")
 
 
 def test_refusal_is_one_error_line_and_exit_2(tmp_path):

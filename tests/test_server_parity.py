@@ -1,4 +1,4 @@
-"""Real SGLang servers (HTTP, spawned workers) against the plain-PyTorch reference.
+"""Real SGLang servers (HTTP, worker processes) against the plain-PyTorch reference.
 
 Every test builds float32 checkpoints with seeded random weights (written by transformers),
 serves them with `--dtype float32` and compares greedy tokens and logprobs.
@@ -74,11 +74,14 @@ def test_non_farskip_checkpoint_equals_stock_sglang(checkpoints):
     Same model code, same CPU kernels, requests sent one at a time: the outputs must be
     identical, not merely close."""
     stock_args = ["--device", "cpu", "--attention-backend", "torch_native",
-                  "--max-total-tokens", "16384", *FLOAT32]
+                  "--max-total-tokens", "16384", "--sleep-on-idle", *FLOAT32]
     plain = str(checkpoints["plain"])
+    # "ours" spawns its workers as SGLang does on GPUs; the others fork them (our CPU default,
+    # cpu_support.py), so equal also means that the start method changes nothing.
     runs = {  # the same thread count on every side, so that equal means bit for bit
         "stock": {"args": ["--model-path", plain, *stock_args], "stock": True, "env": ONE_THREAD},
-        "ours": {"args": ["--model-path", plain, *FLOAT32], "env": ONE_THREAD},
+        "ours": {"args": ["--model-path", plain, "--farskip-cpu-start-method", "spawn", *FLOAT32],
+                 "env": ONE_THREAD},
         "off": {"args": ["--model-path", str(checkpoints["all"]), "--farskip-mode", "off", *FLOAT32],
                 "env": ONE_THREAD},
     }
@@ -90,5 +93,8 @@ def test_non_farskip_checkpoint_equals_stock_sglang(checkpoints):
         assert served(servers["ours"]) == expected
         assert served(servers["off"]) == expected
         assert "outputs are NOT the model's" in servers["off"].log_tail(400)
+        assert "CPU workers start by spawn (as asked)" in servers["ours"].log_tail(100_000)
+        for name in ("stock", "off"):
+            assert "CPU workers start by fork" in servers[name].log_tail(100_000), name
     assert_matches_reference(expected, load_reference(str(checkpoints["plain"])))
 

@@ -14,11 +14,21 @@ Upstream gaps (fixed at plugin load, in every SGLang process, see plugin.py):
 3. Speculative decoding (NGRAM, EAGLE): target verify and EAGLE's draft decode on torch_native,
    and a CUDA-only synchronize in the NextN draft's set-up (cpu_spec.py); the kernel-package
    ops those paths call have twins in the sgl_kernel stand-in.
+
+And one start-up cost: SGLang starts its workers (schedulers, detokenizer, DP controller) with
+multiprocessing's "spawn" (`engine._set_envs_and_config`), because a forked process cannot use
+CUDA. Each spawned worker imports SGLang again, about 20 CPU-seconds here, which is most of a
+CPU server's start. On CPU they are forked from the launcher, which has imported SGLang, the
+plugin and its hooks already (`--farskip-cpu-start-method spawn` restores upstream's way).
+Forking is safe here because nothing but the main thread computes in the launcher before SGLang
+starts its workers (before the tokenizer manager and the HTTP server), and torch is kept on one
+thread there (`one_thread_until_workers_start`).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import re
 import warnings
@@ -76,11 +86,15 @@ def cpu_environment(ranks_on_this_node: int, cores: int) -> dict[str, str]:
 
 
 def cpu_default_args() -> list[tuple[str, str | None]]:
-    """(flag, value) pairs the launcher adds on CPU unless the user gave the flag."""
+    """(flag, value) pairs the launcher adds on CPU unless the user gave the flag (value None:
+    a switch)."""
     return [
         ("--device", "cpu"),
         ("--attention-backend", "torch_native"),
         ("--max-total-tokens", DEFAULT_MAX_TOTAL_TOKENS),
+        # An idle scheduler otherwise polls its sockets without pause and holds a whole core
+        # (93% here, measured with top); with it, it waits in zmq's poll and wakes on a request.
+        ("--sleep-on-idle", None),
     ]
 
 
@@ -144,15 +158,58 @@ def apply_cpu_fixes() -> None:
     global _applied
     if _applied:
         return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
     from sglang_farskip import cpu_mha, cpu_spec
 
+    if multiprocessing.parent_process() is None:  # the launching process (with SGLang's own CLI)
+        one_thread_until_workers_start()
     cpu_mha.install()
     cpu_spec.install()  # after cpu_mha: it registers a subclass of cpu_mha's backend
     _make_native_moe_skip_foreign_experts()
     _make_reduce_scatterv_work_without_pynccl()
+    HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config",
+                          _start_workers_as_chosen, HookType.AFTER)
     _applied = True
     logger.info("sglang_farskip: CPU fixes applied (torch_native MLA dispatch and MHA prefill, "
                 "speculative verify and draft decode, EP>1 native MoE, reduce-scatterv on gloo)")
+
+
+# torch's thread count for SGLang's workers, saved when this process went down to one thread.
+_worker_threads: int | None = None
+
+
+def one_thread_until_workers_start() -> None:
+    """Run torch on one thread in this (the launching) process, so that it never starts an
+    OpenMP thread pool: a forked child inherits the pool's state but not its threads, and its
+    first parallel op then waits for them forever (GNU libgomp is not fork-safe; PyTorch's
+    DataLoader workers go down to one thread for the same reason). Forked workers get the count
+    back that torch would have given a spawned one. Idempotent; the launcher calls it first
+    thing on CPU, the plugin on load in a process that multiprocessing did not start."""
+    global _worker_threads
+    if _worker_threads is not None:
+        return
+    _worker_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.register_at_fork(after_in_child=lambda: torch.set_num_threads(_worker_threads))
+
+
+def _start_workers_as_chosen(result, server_args, *args, **kwargs):
+    """AFTER upstream's "spawn" (see the module docstring): fork where that is safe."""
+    from sglang_farskip import options
+
+    method, why = options.current().cpu_start_method, "as asked"
+    if method == "fork":
+        if _worker_threads is None:
+            method, why = "spawn", "torch may have run on several threads here (a fork could deadlock)"
+        elif getattr(server_args, "numa_node", None) is not None:
+            method, why = "spawn", "--numa-node binds each worker by putting numactl before its interpreter"
+        else:
+            why = f"from this process, which has imported SGLang; {_worker_threads} torch threads each"
+    if method == "fork":
+        multiprocessing.set_start_method("fork", force=True)
+    logger.info("sglang_farskip: SGLang's CPU workers start by %s (%s)", method, why)
+    return result
 
 
 def _make_native_moe_skip_foreign_experts() -> None:

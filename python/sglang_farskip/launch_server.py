@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sglang_farskip import checkpoint
 from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, FarSkipMode
-from sglang_farskip.options import RuntimeOptions
+from sglang_farskip.options import CPU_START_METHODS, RuntimeOptions
 
 logger = logging.getLogger("sglang_farskip.launch")
 
@@ -88,6 +88,9 @@ def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--farskip-cpu-attention", choices=["absorbed", "mha"], default=None,
                         help="CPU only: MLA prefill as absorbed MLA (default) or, as on GPUs, MHA over "
                         "decompressed K/V (chunked on a long cached prefix); decode stays absorbed")
+    parser.add_argument("--farskip-cpu-start-method", choices=list(CPU_START_METHODS), default=None,
+                        help="CPU only: SGLang's worker processes are forked from the launcher, which "
+                        "has imported SGLang already (default), or spawned as on GPUs (each imports it again)")
     parser.add_argument("--demo", choices=list(DEMO_MODEL_NAMES), default=None,
                         help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
     # Test only (bench/device_check.py): the GPU side stream even at TP=1, with the fork/join probe.
@@ -185,7 +188,7 @@ def _cpu_setup(given: GivenArgs) -> list[str]:
     extra = []
     for flag, value in cpu_default_args():
         if flag not in given:
-            extra += [flag, value]
+            extra += [flag] if value is None else [flag, value]
     return extra
 
 
@@ -283,6 +286,10 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     _cpu_engine_env_first(gpu)
     given = GivenArgs(argv)
     on_cpu = _device(given, gpu) == "cpu"
+    if on_cpu:  # before anything here runs torch (the demo build does)
+        from sglang_farskip.cpu_support import one_thread_until_workers_start
+
+        one_thread_until_workers_start()
     # deploy/entrypoint.sh hands API_KEY over here rather than as --api-key: argv shows in ps.
     # One `--api-key=KEY` word: a key that starts with "-" would otherwise read as a flag.
     if os.environ.get("FARSKIP_API_KEY") and "--api-key" not in given:
@@ -308,6 +315,9 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     if own.farskip_cpu_attention and not on_cpu:
         raise LaunchError("--farskip-cpu-attention applies to CPU runs only; on a GPU the attention "
                           "backend (--attention-backend) chooses the MLA prefill path: remove the flag")
+    if own.farskip_cpu_start_method and not on_cpu:
+        raise LaunchError("--farskip-cpu-start-method applies to CPU runs only; on a GPU SGLang spawns its "
+                          "workers (a forked CUDA process cannot use the GPU): remove the flag")
     if own.farskip_profile_dir:
         os.makedirs(own.farskip_profile_dir, exist_ok=True)
     try:
@@ -317,6 +327,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
             side_max_ctas=own.farskip_side_max_ctas,
             profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None,
             cpu_attention=own.farskip_cpu_attention,
+            cpu_start_method=own.farskip_cpu_start_method or "fork",
             force_side_stream=own.farskip_test_force_side_stream,
         )
     except FarSkipConfigError as e:

@@ -2,8 +2,8 @@
 
 A checkpoint says what the model *is* (`config.FarSkipConfig`); these options say how this
 server runs it. The launcher is their only writer: it validates them once and publishes them as
-JSON in one environment variable, which SGLang's spawned scheduler, TP and detokenizer
-processes inherit. Every reader (the model, the CPU attention, the settings checks) calls
+JSON in one environment variable, which SGLang's scheduler, TP and detokenizer processes
+inherit, spawned or forked. Every reader (the model, the CPU attention, the settings checks) calls
 `current()`, which parses and validates the variable once per process.
 
 A process that SGLang started without our launcher (`python -m sglang.launch_server` with the
@@ -21,6 +21,7 @@ from sglang_farskip.config import FarSkipConfigError, FarSkipMode
 
 ENV = "SGLANG_FARSKIP_OPTIONS"
 CPU_ATTENTION_CHOICES = ("absorbed", "mha")
+CPU_START_METHODS = ("fork", "spawn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class RuntimeOptions:
     side_max_ctas: Optional[int] = None  # --farskip-side-max-ctas: NCCL maxCTAs of that all-reduce
     profile_dir: Optional[str] = None  # --farskip-profile-dir: absolute, made by the launcher
     cpu_attention: Optional[str] = None  # --farskip-cpu-attention: None = absorbed, uncounted
+    cpu_start_method: str = "fork"  # --farskip-cpu-start-method: how SGLang starts its CPU workers
     # Test only (bench/device_check.py): the side stream even at TP=1, with the fork/join probe.
     force_side_stream: bool = False
 
@@ -44,6 +46,10 @@ class RuntimeOptions:
         if self.cpu_attention not in (None, *CPU_ATTENTION_CHOICES):
             raise FarSkipConfigError(
                 f"--farskip-cpu-attention {self.cpu_attention!r}: choose one of {', '.join(CPU_ATTENTION_CHOICES)}"
+            )
+        if self.cpu_start_method not in CPU_START_METHODS:
+            raise FarSkipConfigError(
+                f"--farskip-cpu-start-method {self.cpu_start_method!r}: choose one of {', '.join(CPU_START_METHODS)}"
             )
         if self.profile_dir is not None and not os.path.isabs(self.profile_dir):
             # Workers may run in another directory than the launcher.

@@ -1,7 +1,8 @@
 """Registration with SGLang: entry point `sglang.srt.plugins` -> `register()`.
 
-SGLang calls `register()` in every process it starts (HTTP server, each scheduler/TP worker,
-detokenizer), because spawned workers inherit none of a launcher's in-memory changes. It
+SGLang calls `register()` in every process it spawns (HTTP server, each scheduler/TP worker,
+detokenizer), because a spawned worker inherits none of the launcher's in-memory changes; a
+forked one (on CPU, cpu_support.py) inherits them, and SGLang does not load plugins twice. It
 1. applies the CPU fixes when SGLang runs on CPU (see cpu_support.py);
 2. puts the FarSkip classes in SGLang's model registry under "DeepseekV3ForCausalLM" and
    "InstellaMoEForCausalLM";
