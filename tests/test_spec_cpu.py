@@ -10,7 +10,7 @@
    SGLang is imported).
 2. Real servers, float32, greedy: NGRAM, EAGLE 2 steps/top-1/3 tokens and EAGLE 2/top-2/4
    side by side, on a checkpoint whose MTP layer predicts what the target will
-   (tests/spec_checkpoint.py), against the reference's stock wiring
+   (tests/speculative.py), against the reference's stock wiring
    (`FarSkipConfig(enabled=False)`), one request at a time and all at once; the accept length
    SGLang reports is asserted (EAGLE well above 1, NGRAM too on a prompt asked twice).
 """
@@ -23,7 +23,6 @@ import os
 import random
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -512,24 +511,7 @@ def test_every_twin_is_reachable_and_the_rest_still_raises():
 
 
 # ----------------------------------------------------------------- real servers
-NEW_TOKENS = 16
 START_TIMEOUT_S = 600
-SPEC_RUNS = {
-    "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"],
-    "eagle_chain": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
-                    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"],
-    "eagle_tree": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
-                   "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"],
-}
-
-
-def _spec_prompts() -> list[list[int]]:
-    from parity import PROMPTS
-
-    # Asked twice, in order: the second time SGLang's n-gram store holds the first answer, so
-    # n-gram drafts are right (and EAGLE's are as usual).
-    repeated = [0] + [101, 102, 103, 104, 105] * 6
-    return [*PROMPTS, repeated, repeated]
 
 
 @pytest.fixture(scope="module")
@@ -538,34 +520,22 @@ def spec_served(tmp_path_factory):
     (sequential, then concurrent), and the reference's greedy tokens."""
     from parity import FLOAT32, ONE_THREAD
     from serverutil import side_by_side
-    from spec_checkpoint import add_mtp_layer
+    from speculative import NEW_TOKENS, SPEC_FLAGS, ask_all, predictable_mtp, spec_prompts
 
     from sglang_farskip.config import FarSkipConfig
     from sglang_farskip.demo_model import build_checkpoint
     from sglang_farskip.reference import load_reference
 
     root = tmp_path_factory.mktemp("spec")
-    path = add_mtp_layer(build_checkpoint(root / "base", seed=0), root / "mtp", predictable=True)
-    prompts = _spec_prompts()
+    path = predictable_mtp(build_checkpoint(root / "base", seed=0), root / "mtp")
+    prompts = spec_prompts()
     runs = {name: {"args": ["--model-path", str(path), *FLOAT32, "--farskip-mode", "off", *flags],
                    "env": ONE_THREAD}
-            for name, flags in SPEC_RUNS.items()}
-    results = {}
+            for name, flags in SPEC_FLAGS.items()}
     # Three starts side by side on two cores shared with other servers took up to ~5 minutes
     # (an idle machine: ~2); a start that is slow is not what this file tests.
     with side_by_side(runs, timeout=START_TIMEOUT_S) as servers:
-        def ask(server, prompt):
-            return server.post("/generate", {
-                "input_ids": prompt,
-                "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
-                "return_logprob": True,
-            })["meta_info"]
-
-        for name, server in servers.items():
-            sequential = [ask(server, p) for p in prompts]
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                concurrent = list(pool.map(lambda p: ask(server, p), prompts))
-            results[name] = (sequential, concurrent)
+        results = {name: ask_all(server, prompts) for name, server in servers.items()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the reference beside busy servers: more threads were ~50x slower
     try:
@@ -576,23 +546,12 @@ def spec_served(tmp_path_factory):
     return results, expected
 
 
-def _tokens(meta) -> list[int]:
-    return [t[1] for t in meta["output_token_logprobs"]]
-
-
-@pytest.mark.parametrize("run", list(SPEC_RUNS))
+@pytest.mark.parametrize("run", ["ngram", "eagle_chain", "eagle_tree"])
 def test_speculative_greedy_equals_reference(spec_served, run):
-    from parity import LOGPROB_ATOL
+    from speculative import assert_greedy_equal
 
     results, expected = spec_served
-    sequential, concurrent = results[run]
-    worst = 0.0
-    for meta_s, meta_c, (ref_tokens, ref_logprobs) in zip(sequential, concurrent, expected):
-        assert _tokens(meta_s) == ref_tokens
-        assert _tokens(meta_c) == ref_tokens
-        diff = max(abs(t[0] - r) for t, r in zip(meta_s["output_token_logprobs"], ref_logprobs))
-        assert diff <= LOGPROB_ATOL, diff
-        worst = max(worst, diff)
+    worst = assert_greedy_equal(*results[run], expected)
     print(f"{run}: largest chosen-logprob difference from the reference {worst:.2e}")
 
 

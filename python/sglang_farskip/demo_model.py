@@ -44,7 +44,7 @@ from sglang_farskip.config import FarSkipConfig
 LOG = logging.getLogger("sglang_farskip.demo")
 
 # Bump whenever anything below changes what gets written: cached checkpoints are keyed on it.
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -95,8 +95,9 @@ TINY = dict(
     scoring_func="sigmoid",
     topk_method="noaux_tc",
     norm_topk_prob=True,
-    # No multi-token-prediction layer is built, so do not advertise one.
-    num_nextn_predict_layers=0,
+    # One multi-token-prediction ("NextN") layer, as DeepSeek-V3 has, for EAGLE drafts
+    # (`_add_mtp_layer`); transformers' model ignores it, SGLang's NextN draft model loads it.
+    num_nextn_predict_layers=1,
     tie_word_embeddings=False,
     bos_token_id=0,
     eos_token_id=1,
@@ -126,6 +127,7 @@ INSTELLA_TINY = dict(
     # AMD ships remote code for its config class; ours (written here, see _REMOTE_CONFIG) makes
     # `--trust-remote-code` take the same path, float farskip_end_idx default included.
     auto_map={"AutoConfig": "configuration_instella_moe.InstellaMoEConfig"},
+    num_nextn_predict_layers=0,  # the released checkpoint has no MTP layer
 )
 KINDS = ("deepseek-v3", "instella")
 
@@ -354,6 +356,8 @@ def _build_into(tmp: Path, cfg: dict, seed: int) -> None:
     saved = json.loads((tmp / "config.json").read_text())
     saved["dtype"] = cfg["dtype"]
     saved["architectures"] = cfg["architectures"]  # save_pretrained writes the Python class's name
+    if cfg.get("num_nextn_predict_layers"):
+        _add_mtp_layer(tmp, cfg, seed)
     if cfg.get("gated_attention"):
         _add_attention_gates(tmp, config, seed)
         (tmp / "configuration_instella_moe.py").write_text(_REMOTE_CONFIG)
@@ -361,6 +365,38 @@ def _build_into(tmp: Path, cfg: dict, seed: int) -> None:
             if key not in cfg:
                 saved.pop(key, None)  # AMD's config.json leaves the range to the class defaults
     _write_json(tmp / "config.json", saved)
+
+
+def _add_mtp_layer(tmp: Path, cfg: dict, seed: int) -> None:
+    """DeepSeek-V3's MTP layer `model.layers.{L}` (L = num_hidden_layers), under the names
+    SGLang's NextN loader reads: one MoE decoder layer (taken from a seeded model one layer
+    deeper, so it is initialised like the others), `enorm` and `hnorm` on the token embedding
+    and the target's hidden state, `eh_proj` [H, 2H] joining them, and `shared_head` (norm and
+    head; the head and `embed_tokens` are copies of the target's, as in the released weights).
+    Random: its drafts are rarely accepted, which speculative decoding must survive exactly."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_derived_seed(seed, "mtp-layer"))
+        deeper = DeepseekV3ForCausalLM(DeepseekV3Config(**{**cfg, "num_hidden_layers": L + 1}))
+    _rerandomise(deeper, _derived_seed(seed, "mtp-layer"))
+    file = tmp / "model.safetensors"
+    state = load_file(str(file))
+    mtp = f"model.layers.{L}."
+    for name, tensor in deeper.state_dict().items():
+        if name.startswith(mtp):
+            state[name] = tensor.detach().clone().contiguous()
+    gen = torch.Generator().manual_seed(_derived_seed(seed, "mtp-heads"))
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        state[f"{mtp}{norm}.weight"] = torch.empty(H).uniform_(1 - _NORM_WEIGHT_RANGE, 1 + _NORM_WEIGHT_RANGE,
+                                                                generator=gen)
+    state[f"{mtp}eh_proj.weight"] = torch.empty(H, 2 * H).normal_(0.0, (2 * H) ** -0.5, generator=gen)
+    state[f"{mtp}shared_head.head.weight"] = state["lm_head.weight"].clone()
+    state[f"{mtp}embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(file), metadata={"format": "pt"})
 
 
 def _add_attention_gates(tmp: Path, config, seed: int) -> None:
