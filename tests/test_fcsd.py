@@ -24,11 +24,13 @@ import pydoc_data.topics
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from transformers import DeepseekV3ForCausalLM
 
 from sglang_farskip.config import FarSkipConfig
 from sglang_farskip.demo_model import build_checkpoint
 from sglang_farskip.fcsd.loss import distill_loss, eval_sums
+from sglang_farskip.fcsd.output import MTP_FILE, mtp_tensors
 from sglang_farskip.fcsd.run import main
 from sglang_farskip.fcsd.student import FarSkipDeepseekV3ForCausalLM
 from sglang_farskip.reference import load_reference
@@ -139,7 +141,7 @@ def trained(teacher, corpus, tmp_path_factory) -> Path:
     return out
 
 
-def test_short_run_lowers_held_out_kl(trained):
+def test_short_run_lowers_held_out_kl(trained, teacher):
     records = _records(trained)
     evals = [r for r in records if r["event"] == "eval"]
     final = next(r for r in records if r["event"] == "final")
@@ -151,6 +153,13 @@ def test_short_run_lowers_held_out_kl(trained):
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "curves.png", "model.safetensors"):
         assert (trained / name).is_file(), name
+    # The teacher's MTP layer, which transformers' model drops, is copied bit for bit.
+    mtp = mtp_tensors(teacher, json.loads((teacher / "config.json").read_text()))
+    assert len(mtp) > 10 and all(name.startswith("model.layers.4.") for name in mtp)
+    kept = load_file(str(trained / MTP_FILE))
+    assert kept.keys() == mtp.keys()
+    assert all(kept[n].dtype == mtp[n].dtype and torch.equal(kept[n], mtp[n]) for n in mtp)
+    assert cfg["num_nextn_predict_layers"] == 1
     assert not (trained.parent / "student.fcsd-state").exists()
 
 
@@ -158,7 +167,11 @@ def test_output_served_by_sglang_matches_student(trained):
     student = FarSkipDeepseekV3ForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
     assert student.farskip == FarSkipConfig(True)
     prompt = [0] + list(range(100, 140))
-    with Server(["--model-path", str(trained), "--dtype", "float32"]) as server:
+    # Served with EAGLE on the kept MTP layer: greedy speculative decoding is exact, so the
+    # tokens are still the student's.
+    eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
+             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
+    with Server(["--model-path", str(trained), "--dtype", "float32", *eagle]) as server:
         server.wait_ready()
         tokens, logprobs = server.generate(prompt, 6)
     with torch.no_grad():
