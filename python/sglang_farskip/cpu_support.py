@@ -62,6 +62,10 @@ def cpu_base_environment() -> dict[str, str]:
         # tensors and fails. A path that does not exist makes it skip pynccl.
         "SGLANG_NCCL_SO_PATH": "/nonexistent/sglang-farskip-no-nccl-on-cpu/libnccl.so",
         "PYTHONWARNINGS": _noise_pythonwarnings(),
+        # SGLang refuses to start ranks whose free "device" memory differs by over 10%; on CPU
+        # that is the host's free RAM, which any other process changes between two ranks'
+        # readings (a two-node start failed so beside other servers here). A warning then.
+        "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0",
     }
 
 
