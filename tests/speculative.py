@@ -79,6 +79,20 @@ def assert_greedy_equal(sequential: list[dict], concurrent: list[dict], expected
     return worst
 
 
+def reference_greedy(path, prompts: list[list[int]], farskip=None) -> list:
+    """reference.py's non-speculative greedy (tokens, logprobs) per prompt, on one thread:
+    beside busy servers on 2 cores more threads were ~50x slower."""
+    from sglang_farskip.reference import load_reference
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = load_reference(str(path), **({"farskip": farskip} if farskip is not None else {}))
+        return [reference.greedy(p, NEW_TOKENS) for p in prompts]
+    finally:
+        torch.set_num_threads(threads)
+
+
 SMALL_OUTPUT_SCALE = 0.05
 _OUTPUT_PROJECTIONS = re.compile(r"\.(self_attn\.o_proj|(mlp\.)?(experts\.\d+\.|shared_experts\.)?down_proj)\.weight$")
 

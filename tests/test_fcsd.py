@@ -37,6 +37,7 @@ from sglang_farskip.reference import load_reference
 
 from parity import LOGPROB_ATOL
 from serverutil import Server
+from speculative import SPEC_FLAGS
 
 LOGIT_ATOL = 1e-4
 VARIANTS = [FarSkipConfig(True), FarSkipConfig(True, 2, 3), FarSkipConfig(True, attn_only=True),
@@ -169,9 +170,7 @@ def test_output_served_by_sglang_matches_student(trained):
     prompt = [0] + list(range(100, 140))
     # Served with EAGLE on the kept MTP layer: greedy speculative decoding is exact, so the
     # tokens are still the student's.
-    eagle = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
-             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
-    with Server(["--model-path", str(trained), "--dtype", "float32", *eagle]) as server:
+    with Server(["--model-path", str(trained), "--dtype", "float32", *SPEC_FLAGS["eagle_chain"]]) as server:
         server.wait_ready()
         tokens, logprobs = server.generate(prompt, 6)
     with torch.no_grad():

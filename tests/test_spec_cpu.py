@@ -520,11 +520,10 @@ def spec_served(tmp_path_factory):
     (sequential, then concurrent), and the reference's greedy tokens."""
     from parity import FLOAT32, ONE_THREAD
     from serverutil import side_by_side
-    from speculative import NEW_TOKENS, SPEC_FLAGS, ask_all, predictable_mtp, spec_prompts
+    from speculative import SPEC_FLAGS, ask_all, predictable_mtp, reference_greedy, spec_prompts
 
     from sglang_farskip.config import FarSkipConfig
     from sglang_farskip.demo_model import build_checkpoint
-    from sglang_farskip.reference import load_reference
 
     root = tmp_path_factory.mktemp("spec")
     path = predictable_mtp(build_checkpoint(root / "base", seed=0), root / "mtp")
@@ -536,13 +535,7 @@ def spec_served(tmp_path_factory):
     # (an idle machine: ~2); a start that is slow is not what this file tests.
     with side_by_side(runs, timeout=START_TIMEOUT_S) as servers:
         results = {name: ask_all(server, prompts) for name, server in servers.items()}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the reference beside busy servers: more threads were ~50x slower
-    try:
-        reference = load_reference(str(path), farskip=FarSkipConfig(enabled=False))
-        expected = [reference.greedy(p, NEW_TOKENS) for p in prompts]
-    finally:
-        torch.set_num_threads(threads)
+    expected = reference_greedy(path, prompts, farskip=FarSkipConfig(enabled=False))
     return results, expected
 
 

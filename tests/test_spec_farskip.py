@@ -25,15 +25,13 @@ extend failed on concurrent requests under DP attention on CPU; test_launcher_er
 from __future__ import annotations
 
 import pytest
-import torch
 
 from sglang_farskip.config import FarSkipConfig
 from sglang_farskip.demo_model import build_checkpoint, kind_overrides
-from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, ONE_THREAD
 from serverutil import free_port, side_by_side
-from speculative import NEW_TOKENS, SPEC_FLAGS, ask_all, assert_greedy_equal, predictable_mtp, spec_prompts
+from speculative import SPEC_FLAGS, ask_all, assert_greedy_equal, predictable_mtp, reference_greedy, spec_prompts
 
 START_TIMEOUT_S = 600  # several servers side by side on 2 cores
 TP2 = ["--tp", "2"]
@@ -103,13 +101,7 @@ def served(checkpoints):
 def expected(checkpoints):
     """The reference's greedy (tokens, logprobs) per checkpoint, after the servers are gone."""
     prompts = spec_prompts()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # beside other work on 2 cores more threads were far slower
-    try:
-        refs = {kind: load_reference(str(path)) for kind, path in checkpoints.items()}
-        return {kind: [ref.greedy(p, NEW_TOKENS) for p in prompts] for kind, ref in refs.items()}
-    finally:
-        torch.set_num_threads(threads)
+    return {kind: reference_greedy(path, prompts) for kind, path in checkpoints.items()}
 
 
 @pytest.mark.parametrize("run", list(RUNS))
