@@ -70,6 +70,22 @@ class Server:
             time.sleep(1)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log_tail()}")
 
+    def wait_for_process(self, title: str, timeout: float = START_TIMEOUT_S) -> "Server":
+        """Wait until a process of this server's tree has `title` (SGLang names its workers
+        with setproctitle, e.g. "sglang::data_parallel_controller")."""
+        import psutil
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(psutil.Error):
+                if any(title in " ".join(child.cmdline())
+                       for child in psutil.Process(self.proc.pid).children(recursive=True)):
+                    return self
+            time.sleep(0.5)
+        raise TimeoutError(f"no {title} process after {timeout} s:\n{self.log_tail()}")
+
     def log_tail(self, n: int = 60) -> str:
         self._log.flush()
         lines = self.log_path.read_text(errors="replace").splitlines()
@@ -128,7 +144,14 @@ def side_by_side(runs: dict[str, dict], timeout: float = START_TIMEOUT_S, servin
     with contextlib.ExitStack() as stack:
         servers = {name: stack.enter_context(Server(**kwargs)) for name, kwargs in runs.items()}
         for name in servers if serving is None else serving:
-            servers[name].wait_ready(timeout)
+            try:
+                servers[name].wait_ready(timeout)
+            except (RuntimeError, TimeoutError) as failed:
+                # A start that fails or hangs is often another server's doing (a peer node that
+                # died): show every log.
+                others = "".join(f"\n--- {other}'s log:\n{server.log_tail(30)}"
+                                 for other, server in servers.items() if other != name)
+                raise type(failed)(f"{name}: {failed}{others}") from None
         yield servers
 
 

@@ -7,7 +7,8 @@ once, so both DP ranks hold tokens in the same forwards. Both passes must equal 
 (greedy tokens, logprobs within parity.LOGPROB_ATOL; test_server_parity shows TP=1 equals the
 reference on these prompts, so this is also equality with TP=1). Layouts: DeepSeek-V3 all
 layers (overlap and sync), a layer range with EP=2 and the MHA prefill path, Instella-MoE with
-EP=2 (AMD's layout), two node processes with one rank each, and the stock wiring.
+EP=2 (AMD's layout), two node processes with one rank each (and node 0 giving up on a node 1
+that never comes), and the stock wiring.
 
 overlap vs sync: under TP attention they are bit-identical (test_parallel); under DP attention
 they are not yet (differences of about 1e-6 in logprobs, the same tokens; the cause is not
@@ -170,19 +171,44 @@ def test_instella_with_ep_matches_reference(checkpoints, with_ep):
 
 
 # ------------------------------------------------------------------ two nodes; stock wiring
+def two_node_args(path: str, rank: int, addr: str, dist_timeout: int = 60) -> list[str]:
+    return ["--model-path", path, *DP, *EP, "--nnodes", "2", "--node-rank", str(rank),
+            "--dist-init-addr", addr, "--dist-timeout", str(dist_timeout), *FLOAT32]
+
+
 def test_two_node_processes_match_reference(checkpoints):
+    """Node 1 starts first. Under DP attention every node derives its ZMQ ports from
+    --dist-init-addr and checks that they are free on its own host
+    (sglang/srt/server_args.py:866-880): on two hosts they are, but here both nodes share one,
+    and a node 1 that checks after node 0 has bound them fails ("detokenizer_port ... is used
+    by a process already"; CI saw it). Node 1 binds none of them, and its data-parallel
+    controller starts only after its check, so node 0 starts once that process exists."""
     path = str(checkpoints["full"])
     addr = f"127.0.0.1:{free_port()}"
-    runs = {f"node{rank}": {"args": ["--model-path", path, *DP, *EP, "--nnodes", "2",
-                                     "--node-rank", str(rank), "--dist-init-addr", addr,
-                                     "--dist-timeout", "60", *FLOAT32], "env": ONE_THREAD}
-            for rank in (0, 1)}
-    with side_by_side(runs, DP_START_TIMEOUT_S, serving=["node0"]) as servers:
-        result = serve_both_ways(servers["node0"])
+    with Server(two_node_args(path, 1, addr), env=ONE_THREAD) as node1:
+        node1.wait_for_process("sglang::data_parallel_controller", DP_START_TIMEOUT_S)
+        with Server(two_node_args(path, 0, addr), env=ONE_THREAD) as node0:
+            node0.wait_ready(DP_START_TIMEOUT_S)
+            result = serve_both_ways(node0)
     (rank0,) = result["ranks"]  # node 0 reports its own rank
     assert (rank0["attn_dp_rank"], rank0["attn_dp_size"], rank0["mode"]) == (0, 2, "overlap")
     worst = assert_both_match(result, load_reference(path))
     print(f"DP attention, two nodes, EP=2: max |logprob - reference| = {worst:.1e}")
+
+
+def test_node0_gives_up_on_a_node_that_never_comes(checkpoints):
+    """Upstream's node 0 waits for the other nodes' DP-attention handshake with no timeout
+    (peers.py); ours fails after --dist-timeout with a message that says what to check.
+    Bound: the start up to the handshake (~15 s alone here, a minute or two on a busy CI
+    machine) plus the 20 s timeout; without the fix the server never exits."""
+    addr = f"127.0.0.1:{free_port()}"
+    with Server(two_node_args(str(checkpoints["full"]), 0, addr, dist_timeout=20),
+                env=ONE_THREAD) as node0:
+        node0.proc.wait(timeout=DP_START_TIMEOUT_S)
+        log = node0.log_path.read_text(errors="replace")
+    assert node0.proc.returncode != 0
+    assert "node 0 waited 20 s (--dist-timeout) for the other 1 node(s)" in log, log[-3000:]
+    assert "--dist-init-addr's plus 13" in log
 
 
 def test_stock_wiring_with_ep_matches_the_stock_reference(checkpoints):

@@ -9,7 +9,8 @@ forked one (on CPU, cpu_support.py) inherits them, and SGLang does not load plug
 3. hooks SGLang's model-shape derivation so that "InstellaMoEForCausalLM" gets the MLA KV-cache
    layout (SGLang recognises MLA from a hard-coded list of architecture names);
 4. hooks SGLang's redaction so that the API keys never reach a log, a crash dump or an HTTP
-   answer (redact.py).
+   answer (redact.py);
+5. bounds the one wait for peer nodes that upstream leaves unbounded (peers.py).
 
 The class is upstream's whenever config.json says `"farskip": false`, so plain DeepSeek-V3
 checkpoints are served exactly as stock SGLang serves them.
@@ -84,10 +85,11 @@ def register() -> None:
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_farskip import redact
+    from sglang_farskip import peers, redact
 
     register_cpu_support()
     redact.install()
+    peers.install()
     for arch, cls in _classes().items():
         ModelRegistry.models[arch] = cls
         logger.info("sglang_farskip: %s -> %s", arch, cls.__qualname__)
