@@ -3,7 +3,8 @@
 # images' ENTRYPOINT (so docker compose), the Kubernetes LeaderWorkerSet and the Slurm batch
 # script. It reads the environment, checks it, sets the network and timeout variables that
 # multi-node runs need, and execs `python -m sglang_farskip.launch_server` with EP16/TP16
-# DeepSeek-V3 defaults for two nodes.
+# DeepSeek-V3 defaults for two nodes, under a watchdog that ends it when the deployment stops
+# answering (so that the restart policy brings the node back).
 #
 #   entrypoint.sh [--check] [SGLang flags...]
 #
@@ -21,6 +22,7 @@ FARSKIP_ENV_VARS=(
   MODEL_PATH TP_SIZE EP_SIZE FARSKIP_MODE HTTP_HOST HTTP_PORT API_KEY FARSKIP_ALLOW_NO_API_KEY
   NET_IFNAME GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP
   DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING GPU_MAX_HW_QUEUES
+  WATCHDOG WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES
   EXTRA_ARGS FARSKIP_PLATFORM FARSKIP_PYTHON FARSKIP_DRY_RUN
 )
 
@@ -65,6 +67,16 @@ esac
 # side-stream all-reduce gets a queue of its own instead of waiting behind compute.
 : "${GPU_MAX_HW_QUEUES:=8}"
 : "${FARSKIP_PYTHON:=python3}"
+# The watchdog (python/sglang_farskip/watchdog.py) checks node 0's /health_generate from every
+# node, once the server has answered the first time, and ends the server after
+# WATCHDOG_FAILURES failed checks in a row: a hung rank on either node then restarts both
+# nodes instead of leaving them up and useless. Detection takes up to about
+# WATCHDOG_FAILURES * (WATCHDOG_INTERVAL + WATCHDOG_TIMEOUT) seconds; a check of a hung
+# deployment takes 20 s (SGLang's own health-check timeout), so the default is ~1.5-2 min.
+: "${WATCHDOG:=1}"
+: "${WATCHDOG_INTERVAL:=10}"
+: "${WATCHDOG_TIMEOUT:=30}"
+: "${WATCHDOG_FAILURES:=3}"
 : "${GLOO_SOCKET_IFNAME:=${NET_IFNAME:-}}"
 : "${NCCL_SOCKET_IFNAME:=${NET_IFNAME:-}}"
 
@@ -80,7 +92,7 @@ interfaces() {
 }
 
 # ---------------------------------------------------------------- checks
-for var in NNODES TP_SIZE EP_SIZE DIST_TIMEOUT; do
+for var in NNODES TP_SIZE EP_SIZE DIST_TIMEOUT WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES; do
   value="${!var}"
   if ! is_uint "$value" || ((10#$value < 1)); then
     err "$var=$value is not a positive integer: set $var to a whole number such as 16"
@@ -114,6 +126,11 @@ fi
 case "$dry_run" in
   0 | 1) ;;
   *) err "FARSKIP_DRY_RUN=$dry_run is not 0 or 1: set FARSKIP_DRY_RUN=1 to print the command without starting" ;;
+esac
+
+case "$WATCHDOG" in
+  0 | 1) ;;
+  *) err "WATCHDOG=$WATCHDOG is not 0 or 1: set WATCHDOG=0 only where something else restarts a hung server" ;;
 esac
 
 case "$FARSKIP_ALLOW_NO_API_KEY" in
@@ -332,8 +349,32 @@ if [[ -n "${EXTRA_ARGS:-}" ]]; then
 fi
 cmd+=("$@")
 
+# The watchdog asks node 0's API: node 0 on its own address (loopback when it listens on all),
+# the other nodes at MASTER_ADDR. Its port must be HTTP_PORT on every node.
+if ((10#$NODE_RANK == 0)); then
+  case "$HTTP_HOST" in
+    0.0.0.0) health_host=127.0.0.1 ;;
+    :: | "[::]") health_host="[::1]" ;;
+    *:*) health_host="[${HTTP_HOST#[}"; health_host="${health_host%]}]" ;;
+    *) health_host="$HTTP_HOST" ;;
+  esac
+else
+  health_host="${MASTER_ADDR#[}"
+  health_host="${health_host%]}"
+  if [[ "$health_host" == *:* ]]; then health_host="[$health_host]"; fi
+fi
+health_url="http://$health_host:$HTTP_PORT/health_generate"
+if [[ "$WATCHDOG" == 1 ]]; then
+  cmd=("$FARSKIP_PYTHON" -m sglang_farskip.watchdog --url "$health_url"
+    --interval "$WATCHDOG_INTERVAL" --timeout "$WATCHDOG_TIMEOUT" --failures "$WATCHDOG_FAILURES"
+    -- "${cmd[@]}")
+fi
+
 {
   echo "sglang-farskip: node $NODE_RANK of $NNODES, platform $FARSKIP_PLATFORM, mode $FARSKIP_MODE, dist timeout ${DIST_TIMEOUT}s"
+  if [[ "$WATCHDOG" == 1 ]]; then
+    echo "sglang-farskip: watchdog on $health_url (every ${WATCHDOG_INTERVAL}s, ${WATCHDOG_FAILURES} failures in a row end the server)"
+  fi
   if ((multinode)); then
     echo "sglang-farskip: rendezvous at $dist_init_addr via ${NET_IFNAME}; this node is ${SGLANG_HOST_IP}"
   fi

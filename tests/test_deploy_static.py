@@ -189,7 +189,7 @@ def test_compose_gpu_service(platform, rank):
     assert int(svc["shm_size"]) >= 16 * 2**30
     assert svc["ulimits"]["memlock"] == -1
     assert svc["healthcheck"]["test"] == ["CMD", "/opt/sglang-farskip/deploy/healthcheck.sh"]
-    assert svc["restart"] == "no"
+    assert svc["restart"] == "on-failure"  # self-healing: docs/deploy.md
     if platform == "rocm":
         assert {d["source"] for d in svc["devices"]} == {"/dev/kfd", "/dev/dri"}
         assert "video" in svc["group_add"]
@@ -448,6 +448,15 @@ def test_leaderworkerset_matches_the_other_launchers(path):
         assert lwt[role]["spec"]["hostNetwork"] is True
     leader = lwt["leaderTemplate"]["spec"]["containers"][0]
     assert leader["readinessProbe"]["httpGet"] == {"path": "/health", "port": port}
+    # Self-healing: both pods' liveness asks whether the whole group generates, and starts
+    # only after a startup probe (loading DeepSeek-V3 takes many minutes).
+    assert leader["livenessProbe"]["httpGet"] == {"path": "/health_generate", "port": port}
+    assert "startupProbe" in leader
+    worker = lwt["workerTemplate"]["spec"]["containers"][0]
+    for probe in ("startupProbe", "livenessProbe"):
+        assert worker[probe]["exec"]["command"][2].endswith("healthcheck.sh --deployment")
+        assert worker[probe]["timeoutSeconds"] > 30  # the check itself waits up to 30 s
+    assert worker["livenessProbe"]["failureThreshold"] == 3
 
 
 # ---------------------------------------------------------------- shell
@@ -457,6 +466,8 @@ def k8s_command_scripts() -> list[str]:
         for role in ("leaderTemplate", "workerTemplate"):
             for c in doc["spec"]["leaderWorkerTemplate"][role]["spec"]["containers"]:
                 scripts.append(c["command"][2])
+                scripts += [c[probe]["exec"]["command"][2] for probe in ("startupProbe", "livenessProbe")
+                            if "exec" in c.get(probe, {})]
     return scripts
 
 
@@ -514,9 +525,22 @@ def check(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return run(["bash", str(ENTRYPOINT), "--check", *args], env=env, timeout=30)
 
 
-def command_of(proc: subprocess.CompletedProcess) -> list[str]:
+def full_command_of(proc: subprocess.CompletedProcess) -> list[str]:
     assert proc.returncode == 0, proc.stderr
     return shlex.split(proc.stdout.strip().splitlines()[-1])
+
+
+def watchdog_and_server(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the watchdog's own arguments, the server command it runs); ([], argv) without one."""
+    if argv[1:3] != ["-m", "sglang_farskip.watchdog"]:
+        return [], argv
+    split = argv.index("--")
+    return argv[3:split], argv[split + 1:]
+
+
+def command_of(proc: subprocess.CompletedProcess) -> list[str]:
+    """The server command (inside the watchdog's, when there is one)."""
+    return watchdog_and_server(full_command_of(proc))[1]
 
 
 def settings_of(proc: subprocess.CompletedProcess) -> dict[str, str]:
@@ -546,6 +570,25 @@ def test_entrypoint_builds_the_two_node_command(model):
     assert settings["SGLANG_HOST_IP"] == "127.0.0.1"
     assert settings["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert settings["NCCL_DEBUG"] == "WARN"
+
+
+@pytest.mark.parametrize("rank, overrides, url", [
+    ("0", {}, "http://127.0.0.1:30000/health_generate"),
+    ("0", {"HTTP_HOST": "10.1.2.3", "HTTP_PORT": "8080"}, "http://10.1.2.3:8080/health_generate"),
+    ("1", {}, "http://127.0.0.1:30000/health_generate"),
+    ("1", {"MASTER_ADDR": "::1"}, "http://[::1]:30000/health_generate"),
+], ids=["node0", "node0-own-address", "node1", "node1-ipv6"])
+def test_entrypoint_runs_the_server_under_the_watchdog(model, rank, overrides, url):
+    """Every node's watchdog asks node 0's /health_generate (docs/deploy.md, Self-healing)."""
+    argv = full_command_of(check(good_env(model, NODE_RANK=rank, **overrides)))
+    watchdog, server = watchdog_and_server(argv)
+    assert argv[0] == sys.executable
+    assert {k: flag(watchdog, k) for k in ("--url", "--interval", "--timeout", "--failures")} == {
+        "--url": url, "--interval": "10", "--timeout": "30", "--failures": "3"}
+    assert server[:3] == [sys.executable, "-m", "sglang_farskip.launch_server"]
+    # WATCHDOG=0: the server command alone, unchanged.
+    bare = full_command_of(check(good_env(model, NODE_RANK=rank, WATCHDOG="0", **overrides)))
+    assert bare == server
 
 
 def test_entrypoint_platform_defaults_and_extra_flags(model):
@@ -591,6 +634,7 @@ def test_entrypoint_dry_run_variable_prints_instead_of_starting(model):
     env = good_env(model, FARSKIP_DRY_RUN="1")
     proc = run(["bash", str(ENTRYPOINT)], env=env, timeout=30)
     assert command_of(proc)[1:3] == ["-m", "sglang_farskip.launch_server"]
+    assert full_command_of(proc)[1:3] == ["-m", "sglang_farskip.watchdog"]
 
 
 def test_sglang_accepts_the_generated_commands(model):
@@ -651,6 +695,9 @@ ERROR_CASES = {
     "FARSKIP_PYTHON missing": ({"FARSKIP_PYTHON": "/nonexistent/python3"}, "FARSKIP_PYTHON"),
     "no API_KEY beyond loopback": ({"API_KEY": None}, "FARSKIP_ALLOW_NO_API_KEY=1"),
     "FARSKIP_ALLOW_NO_API_KEY not 0/1": ({"FARSKIP_ALLOW_NO_API_KEY": "yes"}, "FARSKIP_ALLOW_NO_API_KEY"),
+    "WATCHDOG not 0/1": ({"WATCHDOG": "on"}, "WATCHDOG"),
+    "WATCHDOG_FAILURES zero": ({"WATCHDOG_FAILURES": "0"}, "WATCHDOG_FAILURES"),
+    "WATCHDOG_INTERVAL not a number": ({"WATCHDOG_INTERVAL": "10s"}, "WATCHDOG_INTERVAL"),
 }
 
 
