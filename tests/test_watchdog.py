@@ -99,3 +99,16 @@ def test_sigterm_reaches_the_server_and_its_status_is_returned(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM, log_path.read_text()
     assert "passing signal 15" in log_path.read_text()
+
+
+def test_the_server_dies_with_the_watchdog(tmp_path):
+    """A supervisor that SIGKILLs the watchdog's process group (tests/netns.py does, as would
+    `kill -9` of the entrypoint) must not leave the server, in its own group, running."""
+    log_path = tmp_path / "watchdog.log"
+    with open(log_path, "w") as log:
+        proc = watchdog(["sleep", "600"], f"http://127.0.0.1:{free_port()}/health_generate", log)
+    wait_for(lambda: "started the server" in log_path.read_text(), 30, "start", log_path)
+    (server,) = psutil.Process(proc.pid).children()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    server.wait(timeout=10)  # psutil.TimeoutExpired if it outlived the watchdog

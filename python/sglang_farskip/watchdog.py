@@ -63,11 +63,21 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _die_with_parent() -> None:
+    """In the server, before exec: the kernel kills it if this watchdog dies (SIGKILLed with
+    its process group, as a supervisor may do), so that no server is left running unwatched.
+    SGLang's own processes already die with the launcher (kill_itself_when_parent_died)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
               failures: int) -> int:
     # Its own process group, so that the whole tree (SGLang's schedulers, detokenizer) can be
     # killed at once; the launcher's SIGTERM handling stops the tree itself on a normal stop.
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
 
     def forward(signum, _frame):
         logger.info("watchdog: passing signal %d to the server", signum)
