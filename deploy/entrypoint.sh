@@ -22,7 +22,7 @@ FARSKIP_ENV_VARS=(
   MODEL_PATH TP_SIZE EP_SIZE FARSKIP_MODE HTTP_HOST HTTP_PORT API_KEY FARSKIP_ALLOW_NO_API_KEY
   NET_IFNAME GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP
   DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING GPU_MAX_HW_QUEUES
-  WATCHDOG WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES
+  WATCHDOG WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES WATCHDOG_START_TIMEOUT
   EXTRA_ARGS FARSKIP_PLATFORM FARSKIP_PYTHON FARSKIP_DRY_RUN
 )
 
@@ -77,6 +77,9 @@ esac
 : "${WATCHDOG_INTERVAL:=10}"
 : "${WATCHDOG_TIMEOUT:=30}"
 : "${WATCHDOG_FAILURES:=3}"
+# A start that never answers (stuck loading weights or capturing graphs) is ended after this:
+# above the 40 min DeepSeek-V3 may take to load (the Kubernetes startup probes allow as much).
+: "${WATCHDOG_START_TIMEOUT:=3600}"
 : "${GLOO_SOCKET_IFNAME:=${NET_IFNAME:-}}"
 : "${NCCL_SOCKET_IFNAME:=${NET_IFNAME:-}}"
 
@@ -92,7 +95,7 @@ interfaces() {
 }
 
 # ---------------------------------------------------------------- checks
-for var in NNODES TP_SIZE EP_SIZE DIST_TIMEOUT WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES; do
+for var in NNODES TP_SIZE EP_SIZE DIST_TIMEOUT WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES WATCHDOG_START_TIMEOUT; do
   value="${!var}"
   if ! is_uint "$value" || ((10#$value < 1)); then
     err "$var=$value is not a positive integer: set $var to a whole number such as 16"
@@ -367,7 +370,7 @@ health_url="http://$health_host:$HTTP_PORT/health_generate"
 if [[ "$WATCHDOG" == 1 ]]; then
   cmd=("$FARSKIP_PYTHON" -m sglang_farskip.watchdog --url "$health_url"
     --interval "$WATCHDOG_INTERVAL" --timeout "$WATCHDOG_TIMEOUT" --failures "$WATCHDOG_FAILURES"
-    -- "${cmd[@]}")
+    --start-timeout "$WATCHDOG_START_TIMEOUT" -- "${cmd[@]}")
 fi
 
 {

@@ -583,8 +583,10 @@ def test_entrypoint_runs_the_server_under_the_watchdog(model, rank, overrides, u
     argv = full_command_of(check(good_env(model, NODE_RANK=rank, **overrides)))
     watchdog, server = watchdog_and_server(argv)
     assert argv[0] == sys.executable
-    assert {k: flag(watchdog, k) for k in ("--url", "--interval", "--timeout", "--failures")} == {
-        "--url": url, "--interval": "10", "--timeout": "30", "--failures": "3"}
+    keys = ("--url", "--interval", "--timeout", "--failures", "--start-timeout")
+    assert {k: flag(watchdog, k) for k in keys} == {
+        "--url": url, "--interval": "10", "--timeout": "30", "--failures": "3",
+        "--start-timeout": "3600"}
     assert server[:3] == [sys.executable, "-m", "sglang_farskip.launch_server"]
     # WATCHDOG=0: the server command alone, unchanged.
     bare = full_command_of(check(good_env(model, NODE_RANK=rank, WATCHDOG="0", **overrides)))

@@ -12,9 +12,11 @@ The check is node 0's `/health_generate`, from every node: it generates one toke
 every rank of both nodes, so a hang anywhere fails it (SGLang answers 503 after 20 s,
 HEALTH_CHECK_TIMEOUT), and a node 1 whose node 0 is gone sees it fail too. It arms at the
 first success: before that the server is starting (DeepSeek-V3 loads for many minutes), and
-start-up failures end by themselves (`--dist-timeout`). Once armed, `--failures` checks in a
-row that fail (an error status, a refused connection, or no answer within `--timeout`) kill
-the server's whole process group and exit with EXIT_UNHEALTHY. SIGTERM and SIGINT are passed
+most start-up failures end by themselves (`--dist-timeout`); a start that hangs (stuck loading
+or capturing graphs) is ended once `--start-timeout` passes without a first success. Once
+armed, `--failures` checks in a row that fail (an error status, a refused connection, or no
+answer within `--timeout`) end it too. Ending means killing the server's whole process group
+and exiting with EXIT_UNHEALTHY. SIGTERM and SIGINT are passed
 on to the server, whose own exit status this process then exits with.
 """
 
@@ -74,7 +76,7 @@ def _die_with_parent() -> None:
 
 
 def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
-              failures: int) -> int:
+              failures: int, start_timeout_s: float = 0.0) -> int:
     # Its own process group, so that the whole tree (SGLang's schedulers, detokenizer) can be
     # killed at once; the launcher's SIGTERM handling stops the tree itself on a normal stop.
     proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
@@ -90,6 +92,7 @@ def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
         signal.signal(signum, forward)
 
     armed, failed = False, 0
+    start_deadline = time.monotonic() + start_timeout_s if start_timeout_s else None
     logger.info("watchdog: started the server (pid %d); checking %s every %.0f s, "
                 "it arms at the first answer", proc.pid, url, interval_s)
     while True:
@@ -108,6 +111,13 @@ def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
             armed, failed = True, 0
             continue
         if not armed:
+            if start_deadline is not None and time.monotonic() > start_deadline:
+                logger.error("watchdog: %s has not answered within %.0f s of the start "
+                             "(--start-timeout; last: %s); killing the server (process group "
+                             "%d) so that it is restarted; exit %d", url, start_timeout_s,
+                             problem, proc.pid, EXIT_UNHEALTHY)
+                _kill_group(proc)
+                return EXIT_UNHEALTHY
             continue
         failed += 1
         logger.warning("watchdog: %s failed (%d of %d): %s", url, failed, failures, problem)
@@ -130,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds a check may take (above SGLang's own 20 s)")
     parser.add_argument("--failures", type=int, default=3,
                         help="failed checks in a row that end the server")
+    parser.add_argument("--start-timeout", type=float, default=0.0,
+                        help="seconds the server may take to answer the first time (0: no limit)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the server command")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -138,12 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("interval", "timeout"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be above 0")
+    if args.start_timeout < 0:
+        parser.error("--start-timeout must be 0 (no limit) or more")
     if args.failures < 1:
         parser.error("--failures must be 1 or more")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="[%(asctime)s] %(message)s")
     return supervise(cmd, args.url, interval_s=args.interval, timeout_s=args.timeout,
-                     failures=args.failures)
+                     failures=args.failures, start_timeout_s=args.start_timeout)
 
 
 if __name__ == "__main__":
