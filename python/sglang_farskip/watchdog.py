@@ -81,8 +81,11 @@ def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
     # killed at once; the launcher's SIGTERM handling stops the tree itself on a normal stop.
     proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
 
+    stopping = []  # set once a stop signal was passed on: the server's shutdown is no hang
+
     def forward(signum, _frame):
         logger.info("watchdog: passing signal %d to the server", signum)
+        stopping.append(signum)
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -101,9 +104,11 @@ def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
             if proc.poll() is not None:
                 return _exit_status(proc.returncode)
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        if stopping:
+            continue
         problem = check(url, timeout_s)
-        if proc.poll() is not None:
-            continue  # it exited during the check: report its own status
+        if proc.poll() is not None or stopping:
+            continue  # it exited (or was told to) during the check: report its own status
         if problem is None:
             if not armed:
                 logger.info("watchdog: %s answered; armed (%d failed checks in a row end the "
