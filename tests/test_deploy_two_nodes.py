@@ -95,7 +95,10 @@ class Deployment:
                  node1_env: dict | None = None, start_node1: bool = True):
         Deployment._next += 1
         self.http_port = 30000 + Deployment._next
-        self.master_port = master_port = 50000 + 100 * Deployment._next
+        # Below Linux's ephemeral range (32768-60999): a MASTER_PORT inside it can be held, now
+        # and then, as the local port of some connection in node 0's namespace, and node 0 then
+        # fails with EADDRINUSE (CI saw it at 50400). The deployed default (50000) has the risk too.
+        self.master_port = master_port = 31000 + 100 * Deployment._next
         self.rendezvous_at: float | None = None  # when node 0 began to listen on MASTER_PORT
         common = dict(master_port=master_port, http_port=self.http_port, dist_timeout=dist_timeout,
                       model_path=model)
