@@ -390,10 +390,14 @@ def started_at(cid: str) -> str:
     return state(cid)["StartedAt"]
 
 
+def launcher_pid(cid: str) -> int:
+    (pid,) = server_processes(cid, "sglang_farskip.launch_server")
+    return pid
+
+
 def crash(cid: str) -> None:
     """The server process dies on its own (not `docker kill`, a deliberate stop to Docker)."""
-    (pid,) = server_processes(cid, "sglang_farskip.launch_server")
-    os.kill(pid, signal.SIGKILL)
+    os.kill(launcher_pid(cid), signal.SIGKILL)
 
 
 def hang(cid: str) -> None:
@@ -448,7 +452,7 @@ def test_soak_with_node1_crashed_mid_run(request, two_nodes, tmp_path):
     every request succeeds once it is back."""
     nodes, url = two_nodes
     node1 = nodes[1].container("farskip-cpu")
-    (pid,) = server_processes(node1, "sglang_farskip.launch_server")
+    pid = launcher_pid(node1)
     out = tmp_path / "soak.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "soak.py"), "--url", url,

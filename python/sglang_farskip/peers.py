@@ -16,10 +16,6 @@ sockets created while they are set. The timeout then surfaces as upstream's own 
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger("sglang_farskip.peers")
-
 _TARGET = ("sglang.srt.managers.data_parallel_controller."
            "DataParallelController._broadcast_ports_as_server")
 
