@@ -2,7 +2,7 @@
 # Install if needed, then run the whole test suite. Extra arguments go to pytest: options
 # (-q, -k EXPR) still run the whole suite (pyproject's testpaths), test paths run only those
 # (`./scripts/test.sh tests/test_load_stats.py`). The run ends with the time each test file
-# took (tests/_durations.py).
+# took (tests/_durations.py). Two pytest-xdist workers share the files (tests/_workers.py).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/bootstrap.sh"
@@ -10,4 +10,11 @@ cd "$root"
 # `python -m` puts the working directory (the root) on sys.path, so the plugin imports as
 # tests._durations (tests/ has no __init__.py: a namespace package). `-p _durations` would
 # need tests/ on PYTHONPATH, which every server and tool the tests start would inherit.
-exec "$root/.venv/bin/python" -m pytest -p tests._durations "$@"
+# Two pytest-xdist workers share the files (tests/_workers.py says how and why);
+# FARSKIP_TEST_WORKERS=0 runs everything in this one process.
+workers="${FARSKIP_TEST_WORKERS:-2}"
+if [ "$workers" = 0 ]; then
+  exec "$root/.venv/bin/python" -m pytest -p tests._durations "$@"
+fi
+exec "$root/.venv/bin/python" -m pytest -p tests._durations -p tests._workers \
+  -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
