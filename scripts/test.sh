@@ -17,4 +17,4 @@ if [ "$workers" = 0 ]; then
   exec "$root/.venv/bin/python" -m pytest -p tests._durations "$@"
 fi
 exec "$root/.venv/bin/python" -m pytest -p tests._durations -p tests._workers \
-  -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
+  -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

@@ -1,14 +1,17 @@
 """pytest plugin, loaded by scripts/test.sh (`-p tests._workers`): how the suite is shared
-between pytest-xdist workers (`-n 2 --dist loadgroup`, which scripts/test.sh passes).
+between pytest-xdist workers (`-n 2 --dist loadfile`, which scripts/test.sh passes).
 
 Most of the suite is real servers starting, answering and being waited for. In one pytest
 process a 2-core machine sat idle about a third of the time (CI, sampled from /proc/stat): a
 node waiting out its collective timeout, a container restarting, a watchdog counting failed
 checks, a server's single-threaded start-up. A second worker fills those gaps.
 
-- Each test file runs whole on one worker, so its module-scoped servers start once.
+- Each test file runs whole on one worker, so its module-scoped servers start once (xdist's
+  loadfile).
 - Files that use the same host-wide names run on one worker, one after the other: the network
-  namespaces and veth pair of tests/netns.py.
+  namespaces and veth pair of tests/netns.py. A scheduler of our own does this: xdist's
+  `xdist_group` marks do nothing under pytest 9.2 (xdist 3.8 renames `item._nodeid`, which
+  pytest 9 no longer reads).
 - The longest files are handed out first (longest-processing-time first), so that both workers
   end at about the same time; the others follow in collection order.
 
@@ -46,11 +49,20 @@ def group_of(nodeid: str) -> str:
     return SHARED.get(path, path)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group markers
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.getoption("loadgroup", False):
-        return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of(item.nodeid)))
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Runs on each worker; xdist hands the files out in this order."""
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: file order kept
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return SharedFileScheduling(config, log)
