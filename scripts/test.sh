@@ -2,7 +2,8 @@
 # Install if needed, then run the whole test suite. Extra arguments go to pytest: options
 # (-q, -k EXPR) still run the whole suite (pyproject's testpaths), test paths run only those
 # (`./scripts/test.sh tests/test_load_stats.py`). The run ends with the time each test file
-# took (tests/_durations.py). Two pytest-xdist workers share the files (tests/_workers.py).
+# took (tests/_durations.py). FARSKIP_TEST_WORKERS=2 shares the files between two pytest-xdist
+# workers (tests/_workers.py); not yet the default: one load-timing test fails beside a second worker.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/bootstrap.sh"
@@ -10,9 +11,9 @@ cd "$root"
 # `python -m` puts the working directory (the root) on sys.path, so the plugin imports as
 # tests._durations (tests/ has no __init__.py: a namespace package). `-p _durations` would
 # need tests/ on PYTHONPATH, which every server and tool the tests start would inherit.
-# Two pytest-xdist workers share the files (tests/_workers.py says how and why);
-# FARSKIP_TEST_WORKERS=0 runs everything in this one process.
-workers="${FARSKIP_TEST_WORKERS:-2}"
+# FARSKIP_TEST_WORKERS=N: N pytest-xdist workers share the files (tests/_workers.py says how
+# and why); 0, the default, runs everything in this one process.
+workers="${FARSKIP_TEST_WORKERS:-0}"
 if [ "$workers" = 0 ]; then
   exec "$root/.venv/bin/python" -m pytest -p tests._durations "$@"
 fi

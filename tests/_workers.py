@@ -1,5 +1,5 @@
-"""pytest plugin, loaded by scripts/test.sh (`-p tests._workers`): how the suite is shared
-between pytest-xdist workers (`-n 2 --dist loadfile`, which scripts/test.sh passes).
+"""pytest plugin, loaded by scripts/test.sh (`-p tests._workers`) when FARSKIP_TEST_WORKERS is
+not 0: how the suite is shared between pytest-xdist workers (`-n N --dist loadfile`).
 
 Most of the suite is real servers starting, answering and being waited for. In one pytest
 process a 2-core machine sat idle about a third of the time (CI, sampled from /proc/stat): a
@@ -15,7 +15,8 @@ checks, a server's single-threaded start-up. A second worker fills those gaps.
 - The longest files are handed out first (longest-processing-time first), so that both workers
   end at about the same time; the others follow in collection order.
 
-Without xdist (`FARSKIP_TEST_WORKERS=0`, or plain `python -m pytest`) it does nothing.
+Not the default yet: beside a second worker one load-timing test (test_load_harness's
+cross-check with sglang.benchmark.serving) failed its client-overhead bound.
 """
 
 from __future__ import annotations
