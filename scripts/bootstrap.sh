@@ -27,28 +27,39 @@ echo "== installing into $venv (first run takes a few minutes)" >&2
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input)
 "${pip[@]}" install -q --upgrade pip
-"${pip[@]}" install -q torch==2.14.1 torchvision==0.29.1
-"${pip[@]}" install -q --no-deps sglang==0.5.23
-# pip reports SGLang's uninstalled CUDA-only requirements as conflicts: expected on CPU,
-# filtered from the output; any real failure still stops the script with pip's full log.
+# A download cut mid-wheel (seen in CI: pyarrow's 55 MB, six resumes, still short) fails the
+# whole install, and pip installs nothing until every wheel is in, so a retry is safe.
+# pip_install tries PIP_ATTEMPTS times, each with pip's own resume and connection retries.
+PIP_ATTEMPTS=3
 pip_install() {
-  local log
+  local log attempt
   log="$(mktemp)"
-  if ! "${pip[@]}" install -q "$@" >"$log" 2>&1; then
-    cat "$log" >&2
-    rm -f "$log"
-    echo "error: pip install $* failed (log above)" >&2
-    exit 1
-  fi
+  for ((attempt = 1; ; attempt++)); do
+    if "${pip[@]}" install -q --retries 10 --resume-retries 20 "$@" >"$log" 2>&1; then
+      break
+    fi
+    if ((attempt >= PIP_ATTEMPTS)) || ! grep -qi "download\|connection\|timed out" "$log"; then
+      cat "$log" >&2
+      rm -f "$log"
+      echo "error: pip install $* failed (log above)" >&2
+      exit 1
+    fi
+    echo "== pip install $*: network failure (attempt $attempt of $PIP_ATTEMPTS), retrying" >&2
+    sleep 10
+  done
+  # pip reports SGLang's uninstalled CUDA-only requirements as conflicts: expected on CPU,
+  # filtered from the output.
   grep -v "^sglang 0.5.23 requires\|dependency resolver does not\|^WARNING: Location" "$log" >&2 || true
   rm -f "$log"
 }
+pip_install torch==2.14.1 torchvision==0.29.1
+pip_install --no-deps sglang==0.5.23
 pip_install -r "$root/requirements/cpu.txt"
 # Tools: no --no-deps, but the constraint keeps them off SGLang's pins.
 if grep -q '^[^#[:space:]]' "$root/requirements/tools.txt"; then
   pip_install -r "$root/requirements/tools.txt" -c "$root/requirements/cpu.txt"
 fi
-"${pip[@]}" install -q --no-deps -e "$root"
+pip_install --no-deps -e "$root"
 
 # The stand-in goes *after* site-packages on sys.path, so a real sgl_kernel always wins.
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
