@@ -26,6 +26,7 @@ fi
 echo "== installing into $venv (first run takes a few minutes)" >&2
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input)
+# First, and plain: a new venv's pip may predate --resume-retries, which pip_install passes.
 "${pip[@]}" install -q --upgrade pip
 # A download cut mid-wheel (seen in CI: pyarrow's 55 MB, six resumes, still short) fails the
 # whole install, and pip installs nothing until every wheel is in, so a retry is safe.
