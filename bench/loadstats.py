@@ -120,4 +120,15 @@ def level_summary(records: list[dict]) -> dict:
         errors[kind] = errors.get(kind, 0) + 1
     summary["errors"] = errors
     summary["first_error"] = failed[0].get("error") if failed else None
+    summary["spec_accept_length"] = accept_length(ok)
     return summary
+
+
+def accept_length(records: list[dict]) -> float | None:
+    """Speculative decoding's mean accept length over these requests: output tokens per verify
+    step, pooled (SGLang's own per-request definition, completion tokens / verify steps, so the
+    token the prefill makes counts too); None where no request reported verify steps."""
+    spec = [r for r in records if r.get("spec_verify_ct")]
+    if not spec:
+        return None
+    return sum(r["output_tokens"] for r in spec) / sum(r["spec_verify_ct"] for r in spec)

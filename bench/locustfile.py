@@ -50,6 +50,9 @@ def _add_arguments(parser):
     group.add_argument("--model", default="default", help="the model name sent to /v1/completions")
     group.add_argument("--keep-alive", action="store_true",
                        help="reuse each user's connection (default: a new one per request, as sglang's client)")
+    group.add_argument("--spec-details", action="store_true",
+                       help="ask a speculative-decoding server how many verify steps each request took "
+                            "(recorded as spec_verify_ct, for the accept length)")
     # The key comes from the environment by default, as deploy/entrypoint.sh takes it: a key on
     # a command line shows in `ps` and in the compose file.
     group.add_argument("--api-key", default=os.environ.get("API_KEY", ""),
@@ -135,7 +138,8 @@ def _on_init(environment, **_):
         _Run.out = open(opts.records_out, "a", encoding="utf-8", buffering=1)
 
 
-def request_body(endpoint: str, prompt: dict, max_tokens: int, model: str) -> dict:
+def request_body(endpoint: str, prompt: dict, max_tokens: int, model: str,
+                 spec_details: bool = False) -> dict:
     if endpoint == "generate":
         key = "input_ids" if "input_ids" in prompt else "text"
         return {
@@ -153,7 +157,19 @@ def request_body(endpoint: str, prompt: dict, max_tokens: int, model: str) -> di
         # Per-chunk token counts, so a chunk that carries several tokens is split evenly
         # (SGLang's native stream carries them anyway; OpenAI's needs this option).
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        # SGLang's extension: a closing chunk (no choices) with the request's verify steps.
+        # Only when asked: another server may refuse a field it does not know.
+        **({"return_spec_tokens_details": True} if spec_details else {}),
     }
+
+
+def _spec_verify_count(endpoint: str, data: dict) -> int | None:
+    """Verify steps so far of a speculative-decoding request, where the chunk says (SGLang's
+    meta_info on /generate, every chunk; its sglext chunk on /v1/completions, once)."""
+    if endpoint == "generate":
+        return (data.get("meta_info") or {}).get("spec_verify_ct")
+    details = (data.get("sglext") or {}).get("spec_tokens_details") or {}
+    return details.get("spec_verify_ct") if isinstance(details, dict) else None
 
 
 class _StreamFailure(Exception):
@@ -198,15 +214,16 @@ def new_record(endpoint: str, prompt: dict, max_tokens: int) -> dict:
         "endpoint": PATHS[endpoint], "start_unix": time.time(), "ok": False, "error": None,
         "status": None, "input_len": prompt.get("input_len"), "prompt_tokens": None,
         "output_tokens": 0, "expected_tokens": max_tokens, "ttft": None, "itl": [],
-        "tpot": None, "e2e": None, "chunks": 0, "first_chunk_tokens": None,
+        "tpot": None, "e2e": None, "chunks": 0, "first_chunk_tokens": None, "spec_verify_ct": None,
     }
 
 
 def stream_request(session, base_url: str, endpoint: str, prompt: dict, rec: dict,
-                   model: str = "default", timeout: float = 300.0, api_key: str = "") -> dict:
+                   model: str = "default", timeout: float = 300.0, api_key: str = "",
+                   spec_details: bool = False) -> dict:
     """Send one streaming request, filling in and returning `rec` (from new_record)."""
     max_tokens = rec["expected_tokens"]
-    body = request_body(endpoint, prompt, max_tokens, model)
+    body = request_body(endpoint, prompt, max_tokens, model, spec_details)
     st = time.perf_counter()  # as sglang.benchmark.serving: just before the POST
     last = st  # arrival of the last SSE line seen: E2E ends there, [DONE] included
     timed_at = st  # arrival of the last chunk that added text and tokens
@@ -230,6 +247,8 @@ def stream_request(session, base_url: str, endpoint: str, prompt: dict, rec: dic
                 except json.JSONDecodeError:
                     raise _StreamFailure(f"bad chunk: not JSON: {payload[:120]!r}") from None
                 rec["chunks"] += 1
+                if spec_details and (verify := _spec_verify_count(endpoint, data)) is not None:
+                    rec["spec_verify_ct"] = verify
                 has_text, count, prompt_tokens, finish = _parse_chunk(endpoint, data)
                 if prompt_tokens is not None:
                     rec["prompt_tokens"] = prompt_tokens
@@ -346,7 +365,8 @@ class StreamingUser(User):
         session = self.session or _session()
         try:
             stream_request(session, self.host.rstrip("/"), self.opts.endpoint, prompt, rec,
-                           self.opts.model, self.opts.request_timeout, self.opts.api_key)
+                           self.opts.model, self.opts.request_timeout, self.opts.api_key,
+                           self.opts.spec_details)
         except gevent.GreenletExit:
             self._write(rec)  # killed mid-request: accounted for as a failure, never dropped
             self._report(rec)

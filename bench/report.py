@@ -1,5 +1,6 @@
 """Write a run's outputs: results.json (everything), results.csv (one row per label and level),
-ab_ratios.csv (A/B only), ttft.png and itl.png, and report.md that ties them together."""
+ab_ratios.csv (A/B only: one row per compared pair and level), ttft.png and itl.png, and
+report.md that ties them together."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ CLIENT_COLUMNS = [
 ]
 SERVER_COLUMNS = [f"server_{m}_{k}" for m in ("ttft", "itl", "e2e") for k in ("count", "mean_ms", "p50_ms", "p99_ms")]
 CSV_COLUMNS = ["label", "concurrency", "requests", "completed", "failed", "duration_s",
-               "request_throughput", "output_throughput", *CLIENT_COLUMNS, *SERVER_COLUMNS]
+               "request_throughput", "output_throughput", "spec_accept_length", *CLIENT_COLUMNS,
+               *SERVER_COLUMNS]
 # What an A/B ratio table compares (A / B: below 1 means A is faster, except throughput).
 RATIO_KEYS = [("ttft", "p50_ms"), ("ttft", "p90_ms"), ("ttft", "p99_ms"), ("itl", "p50_ms"),
               ("itl", "p90_ms"), ("itl", "p99_ms"), ("tpot", "p50_ms"), ("e2e", "p50_ms")]
@@ -26,6 +28,7 @@ def csv_row(level: dict) -> dict:
     row = {"label": level["label"], "concurrency": level["concurrency"]}
     for key in ("requests", "completed", "failed", "duration_s", "request_throughput", "output_throughput"):
         row[key] = s[key]
+    row["spec_accept_length"] = s.get("spec_accept_length")  # absent in runs saved before it
     for col in CLIENT_COLUMNS:
         metric, stat = col.split("_", 1)
         row[col] = s[metric][stat]
@@ -62,8 +65,11 @@ def _fmt(v, digits=1):
 
 
 def _client_table(levels: list[dict]) -> list[str]:
-    lines = ["| label | conc | done/failed | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 / max ms | TPOT p50 ms | E2E p50 ms |",
-             "|---|---:|---:|---:|---|---|---:|---:|"]
+    # Accept length only where a server decodes speculatively: one column more, not a "-" per row.
+    spec = any(lv["client"].get("spec_accept_length") for lv in levels)
+    lines = ["| label | conc | done/failed | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 / max ms | TPOT p50 ms | E2E p50 ms |"
+             + (" accept length |" if spec else ""),
+             "|---|---:|---:|---:|---|---|---:|---:|" + ("---:|" if spec else "")]
     for lv in levels:
         s = lv["client"]
         t, i = s["ttft"], s["itl"]
@@ -71,7 +77,11 @@ def _client_table(levels: list[dict]) -> list[str]:
             f"| {lv['label']} | {lv['concurrency']} | {s['completed']}/{s['failed']} | {_fmt(s['output_throughput'])} "
             f"| {_fmt(t['p50_ms'])} / {_fmt(t['p90_ms'])} / {_fmt(t['p99_ms'])} "
             f"| {_fmt(i['p50_ms'])} / {_fmt(i['p90_ms'])} / {_fmt(i['p99_ms'])} / {_fmt(i['max_ms'])} "
-            f"| {_fmt(s['tpot']['p50_ms'])} | {_fmt(s['e2e']['p50_ms'])} |")
+            f"| {_fmt(s['tpot']['p50_ms'])} | {_fmt(s['e2e']['p50_ms'])} |"
+            + (f" {_fmt(s.get('spec_accept_length'), 2)} |" if spec else ""))
+    if spec:
+        lines += ["", "Accept length: output tokens per verify step, pooled over the level's requests "
+                  "(SGLang's per-request definition, completion tokens / verify steps)."]
     return lines
 
 
@@ -113,11 +123,12 @@ def write_all(results: dict, out: Path) -> dict[str, Path]:
         w.writeheader()
         for lv in levels:
             w.writerow(csv_row(lv))
-    if results.get("ab"):
+    comparisons = results.get("comparisons") or []
+    if comparisons:
         paths["ab_csv"] = out / "ab_ratios.csv"
+        rows = [{"a": ab["a"], "b": ab["b"], **row} for ab in comparisons for row in ab["ratios"]]
         with open(paths["ab_csv"], "w", newline="") as f:
-            rows = results["ab"]["ratios"]
-            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["concurrency"])
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["a", "b", "concurrency"])
             w.writeheader()
             w.writerows(rows)
     series: dict[str, list] = {}
@@ -132,8 +143,8 @@ def write_all(results: dict, out: Path) -> dict[str, Path]:
           "Client-side latencies are computed from every request's raw samples "
           "(`requests/*.jsonl`), with the definitions of `sglang.benchmark.serving`.", ""]
     md += _client_table(levels) + [""]
-    if results.get("ab"):
-        md += _ratio_table(results["ab"]) + [""]
+    for ab in comparisons:
+        md += _ratio_table(ab) + [""]
     md += _server_table(levels) + [""]
     md += ["![TTFT percentiles against concurrency](ttft.png)", "",
            "![ITL percentiles against concurrency](itl.png)", ""]

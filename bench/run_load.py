@@ -6,6 +6,7 @@ One server:
 A/B, interleaved level by level (ratios are first label / second label):
     python bench/run_load.py --target farskip=http://127.0.0.1:30000 \
         --target baseline=http://127.0.0.1:30001 --concurrency 1,4,16 --duration 30
+Up to four targets take turns the same way; each is compared with the first.
 A/B from two saved single-server runs:
     python bench/run_load.py --saved farskip=results/a --saved baseline=results/b --out results/ab
 
@@ -38,6 +39,7 @@ from servers import BenchError, check_reachable, machine_facts, make_note, serve
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LABEL_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # labels become file names
+MAX_TARGETS = 4
 
 
 class Interrupted(Exception):
@@ -64,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     where = p.add_argument_group("what to test")
     where.add_argument("--url", help="one server (label 'run'); same as --target run=URL")
     where.add_argument("--target", action="append", default=[], metavar="LABEL=URL",
-                       help="a server to test; give two for an A/B run")
+                       help=f"a server to test; two or more (at most {MAX_TARGETS}) for an A/B run "
+                            "comparing each with the first")
     where.add_argument("--saved", action="append", default=[], metavar="LABEL=DIR",
                        help="compare two saved runs (their results.json) instead of running load")
     load = p.add_argument_group("load")
@@ -107,8 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise BenchError(f"--saved needs exactly two runs (got {len(saved)}): --saved a=DIR --saved b=DIR")
     if not saved and not targets and not args.write_prompts:
         raise BenchError("nothing to test: pass --url URL, or --target LABEL=URL (twice for A/B)")
-    if len(targets) > 2:
-        raise BenchError(f"{len(targets)} targets given: a run compares at most two (A/B)")
+    if len(targets) > MAX_TARGETS:
+        raise BenchError(f"{len(targets)} targets given: a run compares at most {MAX_TARGETS} "
+                         "(each level runs once per target)")
     labels = [t[0] for t in targets] + [s[0] for s in saved]
     if len(set(labels)) != len(labels):
         raise BenchError(f"labels must differ, got {labels}")
@@ -152,7 +156,7 @@ def _count_records(path: Path) -> tuple[int, int]:
 
 
 def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_args: list[str],
-              out: Path) -> dict:
+              out: Path, spec: bool = False) -> dict:
     name = f"{label}-c{concurrency}"
     records = out / "requests" / f"{name}.jsonl"
     records.unlink(missing_ok=True)
@@ -171,6 +175,8 @@ def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_a
         cmd += ["--max-requests", str(args.requests)]
     if args.keep_alive:
         cmd.append("--keep-alive")
+    if spec:
+        cmd.append("--spec-details")
     before = _scrape(url)
     started = time.monotonic()
     hard_limit = run_time + args.stop_timeout + 60
@@ -285,19 +291,23 @@ def run(args) -> dict:
             warm_up(url, args, args.warmup)
     levels = []
     for index, concurrency in enumerate(args.levels):
-        # A/B: alternate which label goes first, so slow drift (heat, other load) is shared.
-        order = args.targets if index % 2 == 0 else args.targets[::-1]
+        # A/B: each level starts with the next label (A B, B A, ... for two; A B C, B C A, ...
+        # for three), so slow drift (heat, other load) is shared.
+        turn = index % len(args.targets)
+        order = args.targets[turn:] + args.targets[:turn]
         for label, url in order:
-            levels.append(run_level(label, url, concurrency, index, args, prompt_args, out))
+            spec = bool(facts[label].get("speculative_algorithm"))
+            levels.append(run_level(label, url, concurrency, index, args, prompt_args, out, spec))
             if levels[-1].get("interrupted"):
                 break
         if levels[-1].get("interrupted"):
             break
     labels = [label for label, _ in args.targets]
-    interleave = " Levels ran interleaved, alternating which server went first." if len(labels) == 2 else ""
+    interleave = (" Levels ran interleaved, each level starting with the next server in turn."
+                  if len(labels) >= 2 else "")
     results = {
         "format": "farskip-bench/1", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "title": args.title or (f"A/B load test: {labels[0]} vs {labels[1]}" if len(labels) == 2 else "Load test"),
+        "title": args.title or (f"A/B load test: {' vs '.join(labels)}" if len(labels) >= 2 else "Load test"),
         "machine": machine_facts(), "targets": facts, "workload_line": workload_line(args),
         "workload": {k: getattr(args, k) for k in ("endpoint", "max_tokens", "input_len", "dataset", "dataset_path",
                                                    "duration", "requests", "seed", "levels", "warmup",
@@ -305,8 +315,8 @@ def run(args) -> dict:
         "levels": levels,
     }
     results["note"] = make_note(results["machine"], facts, results["workload_line"], interleave.strip())
-    if len(labels) == 2:
-        results["ab"] = {"a": labels[0], "b": labels[1], "ratios": report.ab_ratios(levels, *labels)}
+    results["comparisons"] = [{"a": labels[0], "b": b, "ratios": report.ab_ratios(levels, labels[0], b)}
+                              for b in labels[1:]]
     report.write_all(results, out)
     results["out"] = str(out)
     return results
@@ -340,7 +350,7 @@ def compare_saved(args) -> dict:
         "format": "farskip-bench/1", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "title": args.title or f"A/B from saved runs: {a} vs {b}", "machine": ra["machine"],
         "targets": {a: fa, b: fb}, "workload_line": ra["workload_line"], "workload": ra["workload"],
-        "levels": la + lb, "ab": {"a": a, "b": b, "ratios": report.ab_ratios(la + lb, a, b)},
+        "levels": la + lb, "comparisons": [{"a": a, "b": b, "ratios": report.ab_ratios(la + lb, a, b)}],
     }
     extra = f"Compared from saved runs made {ra['created']} ({a}) and {rb['created']} ({b}), not interleaved."
     if ra["machine"] != rb["machine"]:

@@ -56,7 +56,9 @@ def server_facts(url: str, api_key: str | None = None) -> dict:
     try:
         info = _get_json(url + "/get_server_info", api_key)
         for key in ("version", "model_path", "tokenizer_path", "device", "tp_size", "stream_interval",
-                    "max_running_requests", "enable_metrics", "sleep_on_idle", "disable_radix_cache"):
+                    "max_running_requests", "enable_metrics", "sleep_on_idle", "disable_radix_cache",
+                    "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                    "speculative_num_draft_tokens"):
             facts[key] = info.get(key)
     except urllib.error.HTTPError as e:
         if e.code == 401:
@@ -130,8 +132,18 @@ def describe_target(label: str, facts: dict) -> str:
         what = f"FarSkip mode `{mode}`"
     else:
         what = f"FarSkip mode `{mode}` ({facts['farskip']})"
-    return (f"**{label}** = {facts['url']}: {what}, SGLang {facts.get('version', '?')}, "
+    return (f"**{label}** = {facts['url']}: {what}{_speculative(facts)}, SGLang {facts.get('version', '?')}, "
             f"model `{facts.get('model_path', '?')}`")
+
+
+def _speculative(facts: dict) -> str:
+    algorithm = facts.get("speculative_algorithm")
+    if not algorithm:
+        return ""
+    shape = ", ".join(f"{name} {facts[key]}" for name, key in (
+        ("steps", "speculative_num_steps"), ("top-k", "speculative_eagle_topk"),
+        ("draft tokens", "speculative_num_draft_tokens")) if facts.get(key) is not None)
+    return f", speculative decoding {algorithm}" + (f" ({shape})" if shape else "")
 
 
 def make_note(machine: dict, targets: dict, args_line: str, extra: str = "") -> str:
@@ -140,8 +152,8 @@ def make_note(machine: dict, targets: dict, args_line: str, extra: str = "") -> 
              "Compared: " + "; ".join(describe_target(lbl, f) for lbl, f in targets.items()) + ".",
              f"Workload: {args_line}; temperature 0, ignore_eos, streaming."]
     paths = {f.get("model_path") for f in targets.values()}
-    if len(targets) == 2 and len(paths) > 1:
-        lines.append("WARNING: the two servers load different checkpoints, so this is not a same-weights A/B.")
+    if len(targets) >= 2 and len(paths) > 1:
+        lines.append("WARNING: the servers load different checkpoints, so this is not a same-weights A/B.")
     if extra:
         lines.append(extra)
     return "  \n".join(lines)

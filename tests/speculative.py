@@ -1,28 +1,14 @@
 """What the speculative-decoding tests share: SGLang's flags for each algorithm, the prompts,
-the requests (one at a time, then all at once), and a checkpoint whose drafts are accepted.
-
-The checkpoint: the demo with its MTP ("NextN") layer made to predict what the target will, for
-EAGLE tests that need accepted drafts. The demo's own MTP layer is random (demo_model.py), so
-its drafts are rarely right: that checks exactness, but not the handling of accepted drafts.
-
-Every sub-block's output projection (`o_proj`, every `down_proj`) is scaled down, so the
-target's next token depends mostly on the current token (a bigram model:
-head(norm(embed(t)))), and the MTP layer computes that same bigram: `eh_proj` = [I, 0] passes
-the token's normalised embedding through, its decoder layer (a copy of the target's last one)
-adds little, `shared_head.norm` is the target's final norm. Names as SGLang's
-DeepseekV3ForCausalLMNextN loads them (`models/deepseek_common/deepseek_weight_loader.py`).
+the requests (one at a time, then all at once), and a checkpoint whose drafts are accepted
+(demo_model.predictable_mtp: the demo's own MTP layer is random, so its drafts are rarely
+right, which checks exactness but not the handling of accepted drafts).
 """
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 NEW_TOKENS = 16
 SPEC_FLAGS = {
@@ -92,30 +78,3 @@ def reference_greedy(path, prompts: list[list[int]], farskip=None) -> list:
     finally:
         torch.set_num_threads(threads)
 
-
-SMALL_OUTPUT_SCALE = 0.05
-_OUTPUT_PROJECTIONS = re.compile(r"\.(self_attn\.o_proj|(mlp\.)?(experts\.\d+\.|shared_experts\.)?down_proj)\.weight$")
-
-
-def predictable_mtp(src: Path, dst: Path) -> Path:
-    """Copy the demo checkpoint at `src` (one model.safetensors with an MTP layer, as
-    demo_model.build_checkpoint writes) to `dst` with predictable drafts; returns `dst`."""
-    src, dst = Path(src), Path(dst)
-    config = json.loads((src / "config.json").read_text())
-    L, H = config["num_hidden_layers"], config["hidden_size"]
-    assert config.get("num_nextn_predict_layers") == 1, f"{src} has no MTP layer"
-    shutil.copytree(src, dst)
-    tensors = load_file(str(src / "model.safetensors"))
-    for name in tensors:
-        if _OUTPUT_PROJECTIONS.search(name):
-            tensors[name] = tensors[name] * SMALL_OUTPUT_SCALE
-    last, mtp = f"model.layers.{L - 1}.", f"model.layers.{L}."
-    for name in [n for n in tensors if n.startswith(last)]:  # already scaled down like the target's
-        tensors[mtp + name[len(last):]] = tensors[name].clone()
-    tensors[mtp + "eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)  # [H, 2H]
-    tensors[mtp + "enorm.weight"] = torch.ones(H)
-    tensors[mtp + "hnorm.weight"] = torch.ones(H)
-    tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
-              metadata={"format": "pt"})
-    return dst

@@ -21,12 +21,11 @@ import pytest
 from PIL import Image
 
 from proxies import SSEProxy
-from serverutil import REPO, Server, free_port
+from serverutil import REPO, Server, free_port, run_load
 
 sys.path.insert(0, str(REPO / "bench"))
 import loadstats  # noqa: E402
 
-RUN_LOAD = REPO / "bench" / "run_load.py"
 MAX_TOKENS = 12
 
 
@@ -36,11 +35,6 @@ def server():
     # 2-core machine needs for the load generator between runs.
     with Server(["--enable-metrics", "--sleep-on-idle"]) as s:
         yield s.wait_ready()
-
-
-def run_load(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(RUN_LOAD), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
 
 
 def _levels(out: Path) -> list[dict]:
@@ -113,6 +107,9 @@ def test_csv_plots_and_report_exist_and_parse(two_levels):
             assert img.format == "PNG" and img.size[0] >= 400
     md = (two_levels / "report.md").read_text()
     assert "Machine:" in md and "FarSkip mode `overlap`" in md and "![TTFT" in md
+    # No speculative decoding here: no accept length (test_spec_farskip has the other side).
+    assert all(r["spec_accept_length"] == "" for r in rows) and "accept length" not in md
+    assert "speculative" not in md
 
 
 # Through the delaying proxy every response head, so every first token, reaches the client
@@ -149,14 +146,16 @@ def _printed_ratios(md: str, a: str, b: str) -> dict[int, dict[str, str]]:
     return rows
 
 
-def _assert_delayed_over_direct(res: dict, md: str, concurrencies: list[int]) -> None:
-    assert (res["ab"]["a"], res["ab"]["b"]) == ("delayed", "direct")
+def _assert_delayed_over_direct(res: dict, md: str, concurrencies: list[int], direct: str = "direct") -> None:
+    """The comparison delayed / `direct` points from the slow side to the fast one."""
+    (ab,) = [ab for ab in res["comparisons"] if ab["b"] == direct]
+    assert ab["a"] == "delayed"
     by = {(lv["label"], lv["concurrency"]): lv["client"] for lv in res["levels"]}
-    printed = _printed_ratios(md, "delayed", "direct")
-    assert [row["concurrency"] for row in res["ab"]["ratios"]] == concurrencies
-    for row in res["ab"]["ratios"]:
+    printed = _printed_ratios(md, "delayed", direct)
+    assert [row["concurrency"] for row in ab["ratios"]] == concurrencies
+    for row in ab["ratios"]:
         c = row["concurrency"]
-        slow, fast = by[("delayed", c)]["ttft"]["p50_ms"], by[("direct", c)]["ttft"]["p50_ms"]
+        slow, fast = by[("delayed", c)]["ttft"]["p50_ms"], by[(direct, c)]["ttft"]["p50_ms"]
         assert slow >= 1000 * DELAY_S, "the delayed side's TTFT did not go through the proxy"
         assert row["ttft_p50"] == pytest.approx(slow / fast, rel=1e-9)
         assert row["ttft_p50"] >= MIN_TTFT_RATIO, (c, slow, fast)
@@ -165,11 +164,13 @@ def _assert_delayed_over_direct(res: dict, md: str, concurrencies: list[int]) ->
 
 @pytest.fixture(scope="module")
 def ab_run(server, delayed, tmp_path_factory):
-    # A/B against two servers of known order: the same server reached through the delaying
-    # proxy (A) and directly (B).
+    # A/B against servers of known order: the same server reached through the delaying proxy
+    # (A) and directly, under two labels (B and C: three targets, so two comparisons and a
+    # turn order that rotates rather than flips).
     out = tmp_path_factory.mktemp("ab")
     before = delayed.streams
     r = run_load("--target", f"delayed={delayed.url}", "--target", f"direct={server.url}",
+                 "--target", f"again={server.url}",
                  "--concurrency", "1,2", "--requests", "2", "--max-tokens", "6", "--input-len", "16",
                  "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -178,10 +179,10 @@ def ab_run(server, delayed, tmp_path_factory):
     return out
 
 
-def test_ab_run_interleaves_and_alternates_order(ab_run):
+def test_ab_run_interleaves_and_rotates_order(ab_run):
     res = json.loads((ab_run / "results.json").read_text())
     order = [(lv["label"], lv["concurrency"]) for lv in res["levels"]]
-    assert order == [("delayed", 1), ("direct", 1), ("direct", 2), ("delayed", 2)]
+    assert order == [("delayed", 1), ("direct", 1), ("again", 1), ("direct", 2), ("again", 2), ("delayed", 2)]
     assert all(lv["client"]["completed"] == 2 for lv in res["levels"])
     md = (ab_run / "report.md").read_text()
     assert "interleaved" in md
@@ -190,9 +191,14 @@ def test_ab_run_interleaves_and_alternates_order(ab_run):
 def test_ab_ratios_point_from_the_slow_server_to_the_fast_one(ab_run):
     res = json.loads((ab_run / "results.json").read_text())
     md = (ab_run / "report.md").read_text()
+    assert [(ab["a"], ab["b"]) for ab in res["comparisons"]] == [("delayed", "direct"), ("delayed", "again")]
     _assert_delayed_over_direct(res, md, [1, 2])
+    _assert_delayed_over_direct(res, md, [1, 2], direct="again")
     rows = list(csv.DictReader((ab_run / "ab_ratios.csv").open()))
-    assert [float(r["ttft_p50"]) for r in rows] == pytest.approx([r["ttft_p50"] for r in res["ab"]["ratios"]])
+    assert [(r["a"], r["b"], int(r["concurrency"])) for r in rows] == [
+        ("delayed", "direct", 1), ("delayed", "direct", 2), ("delayed", "again", 1), ("delayed", "again", 2)]
+    expected = [row["ttft_p50"] for ab in res["comparisons"] for row in ab["ratios"]]
+    assert [float(r["ttft_p50"]) for r in rows] == pytest.approx(expected)
     for lv in res["levels"]:
         if lv["label"] == "delayed":
             recs = loadstats.read_records(ab_run / lv["records"])
@@ -230,6 +236,9 @@ def test_bad_arguments_name_the_fix(tmp_path):
     assert r.returncode == 2 and "--concurrency '4,x'" in r.stderr
     r = run_load("--target", "a=http://127.0.0.1:1", "--target", "a=http://127.0.0.1:2", timeout=30)
     assert r.returncode == 2 and "labels must differ" in r.stderr
+    five = [arg for k in range(5) for arg in ("--target", f"t{k}=http://127.0.0.1:{k + 1}")]
+    r = run_load(*five, timeout=30)
+    assert r.returncode == 2 and "5 targets given: a run compares at most 4" in r.stderr
     r = run_load("--saved", f"a={tmp_path}", "--saved", f"b={tmp_path}", timeout=30)
     assert r.returncode == 2 and "results.json does not exist" in r.stderr
 

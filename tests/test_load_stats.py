@@ -51,6 +51,18 @@ def test_level_summary_pools_like_sglang():
     assert s["output_throughput"] == pytest.approx(5 / 1.05)
 
 
+def test_accept_length_pools_tokens_over_verify_steps():
+    # Pooled, not a mean of per-request ratios: 8 + 8 tokens over 2 + 6 steps is 2.0 (the
+    # mean of 4.0 and 1.33 would be 2.67). Failed requests and servers without speculative
+    # decoding (no spec_verify_ct) take no part.
+    a, b = _ok(0.1, [0.01] * 7, 0.2), _ok(0.1, [0.01] * 7, 0.2)
+    a["spec_verify_ct"], b["spec_verify_ct"] = 2, 6
+    failed = {"ok": False, "start_unix": 0.0, "e2e": 0.1, "error": "x", "output_tokens": 3, "spec_verify_ct": 1}
+    assert loadstats.level_summary([a, b, failed])["spec_accept_length"] == pytest.approx(2.0)
+    assert loadstats.level_summary([_ok(0.1, [0.01], 0.12)])["spec_accept_length"] is None
+    assert loadstats.level_summary([])["spec_accept_length"] is None
+
+
 def test_zero_token_and_all_failed_levels_summarize():
     zero = {"ok": True, "start_unix": 5.0, "ttft": None, "itl": [], "e2e": 0.02, "tpot": None,
             "output_tokens": 0, "prompt_tokens": 4}

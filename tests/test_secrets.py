@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
@@ -22,7 +20,7 @@ import pytest
 from sglang_farskip.redact import REDACTED, scrub, scrub_argv
 
 from parity import ONE_THREAD
-from serverutil import REPO, free_port, side_by_side
+from serverutil import free_port, run_load, side_by_side
 
 # Distinctive, so that a search of a log cannot hit anything else.
 KEY = "sk-farskip-test-key-5f3c9a"
@@ -116,12 +114,6 @@ def keyed(servers):
 # line names the fix before any load runs.
 LOAD = ["--concurrency", "1,2", "--requests", "3", "--max-tokens", "4", "--input-len", "16",
         "--warmup", "1"]
-
-
-def run_load(*args: str, env: dict) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k != "API_KEY"}
-    return subprocess.run([sys.executable, str(REPO / "bench" / "run_load.py"), *args], capture_output=True,
-                          text=True, timeout=300, cwd=REPO, env={**base, **env})
 
 
 def test_load_tools_take_the_key_from_the_environment(servers, tmp_path):

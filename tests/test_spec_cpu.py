@@ -520,10 +520,10 @@ def spec_served(tmp_path_factory):
     (sequential, then concurrent), and the reference's greedy tokens."""
     from parity import FLOAT32, ONE_THREAD
     from serverutil import side_by_side
-    from speculative import SPEC_FLAGS, ask_all, predictable_mtp, reference_greedy, spec_prompts
+    from speculative import SPEC_FLAGS, ask_all, reference_greedy, spec_prompts
 
     from sglang_farskip.config import FarSkipConfig
-    from sglang_farskip.demo_model import build_checkpoint
+    from sglang_farskip.demo_model import build_checkpoint, predictable_mtp
 
     root = tmp_path_factory.mktemp("spec")
     path = predictable_mtp(build_checkpoint(root / "base", seed=0), root / "mtp")

@@ -16,7 +16,9 @@ extend) changes the tokens.
 - TP=2/EP=2 `overlap` EAGLE tree, TP=2 `overlap` NGRAM;
 - two node processes (TP=2 across them, loopback): EAGLE tree and NGRAM.
 Accept lengths are asserted: the EAGLE drafts of the predictable MTP layer (tests/speculative.py)
-and the n-gram drafts on the repeated prompt are mostly accepted.
+and the n-gram drafts on the repeated prompt are mostly accepted. The load harness
+(bench/run_load.py) runs against one EAGLE server over both endpoints and must report the accept
+length the server's per-request counts give.
 
 Not here: DP attention, which the launcher refuses with speculative decoding (the NextN draft's
 extend failed on concurrent requests under DP attention on CPU; test_launcher_errors.py).
@@ -24,14 +26,17 @@ extend failed on concurrent requests under DP attention on CPU; test_launcher_er
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 
 from sglang_farskip.config import FarSkipConfig
-from sglang_farskip.demo_model import build_checkpoint, kind_overrides
+from sglang_farskip.demo_model import build_checkpoint, kind_overrides, predictable_mtp
 
 from parity import FLOAT32, ONE_THREAD
-from serverutil import free_port, side_by_side
-from speculative import SPEC_FLAGS, ask_all, assert_greedy_equal, predictable_mtp, reference_greedy, spec_prompts
+from serverutil import REPO, free_port, run_load, side_by_side
+from speculative import SPEC_FLAGS, ask_all, assert_greedy_equal, reference_greedy, spec_prompts
 
 START_TIMEOUT_S = 600  # several servers side by side on 2 cores
 TP2 = ["--tp", "2"]
@@ -54,6 +59,9 @@ GROUPS = [
     ["two_nodes_eagle_tree", "two_nodes_ngram"],
 ]
 CONVERTED = {"mtp": [0, 1, 2, 3], "range": [2, 3], "instella": [0, 1, 2, 3]}
+# The load harness runs against this server (drafts mostly accepted), once per endpoint.
+LOAD_RUN = "tp1_eagle_tree"
+LOAD_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +89,11 @@ def _server_runs(name: str, path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(checkpoints):
-    """{run: (rank reports, sequential answers, concurrent answers)}, group by group."""
+def served(checkpoints, tmp_path_factory):
+    """{run: (rank reports, sequential answers, concurrent answers)}, group by group; and under
+    "load", {endpoint: the output directory of a bench/run_load.py run against LOAD_RUN}."""
     prompts = spec_prompts()
-    out = {}
+    out = {"load": {}}
     for group in GROUPS:
         runs = {}
         for name in group:
@@ -94,6 +103,14 @@ def served(checkpoints):
             for key in http:
                 server = servers[key]
                 out[key.removesuffix("/node0")] = (server.get("/farskip/info")["ranks"], *ask_all(server, prompts))
+                if key == LOAD_RUN:
+                    for endpoint in ("completions", "generate"):
+                        load = tmp_path_factory.mktemp(f"load-{endpoint}")
+                        r = run_load("--url", server.url, "--endpoint", endpoint, "--concurrency", "2",
+                                     "--requests", "4", "--max-tokens", str(LOAD_TOKENS), "--input-len", "24",
+                                     "--warmup", "1", "--out", str(load))
+                        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+                        out["load"][endpoint] = load
     return out
 
 
@@ -118,3 +135,30 @@ def test_speculative_farskip_equals_reference(served, expected, run):
         assert min(lengths) > 2.0, lengths  # the predictable MTP layer's drafts are accepted
     if algorithm == "ngram":
         assert lengths[-1] > 2.0, lengths  # the repeated prompt, asked the second time
+
+
+def test_load_harness_reports_the_accept_length(served):
+    """The harness asks for SGLang's per-request verify counts (its sglext chunk on
+    /v1/completions, meta_info on /generate) and reports output tokens per verify step."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import loadstats
+
+    draft_tokens = int(SPEC_FLAGS["eagle_tree"][SPEC_FLAGS["eagle_tree"].index("--speculative-num-draft-tokens") + 1])
+    for endpoint, out in served["load"].items():
+        results = json.loads((out / "results.json").read_text())
+        (level,) = results["levels"]
+        records = loadstats.read_records(out / level["records"])
+        assert len(records) == 4 and all(r["ok"] for r in records), endpoint
+        for r in records:
+            # The prefill makes the first token; each verify step then makes 1..draft_tokens.
+            steps = r["spec_verify_ct"]
+            assert steps is not None and -(-(LOAD_TOKENS - 1) // draft_tokens) <= steps <= LOAD_TOKENS, (endpoint, r)
+        pooled = sum(r["output_tokens"] for r in records) / sum(r["spec_verify_ct"] for r in records)
+        reported = level["client"]["spec_accept_length"]
+        assert reported == pytest.approx(pooled, rel=1e-12), endpoint
+        assert reported > 2.0, (endpoint, reported)  # the predictable MTP layer's drafts
+        report = (out / "report.md").read_text()
+        assert "accept length |" in report and f"{reported:.2f} |" in report, endpoint
+        assert "speculative decoding EAGLE (steps 2, top-k 2, draft tokens 4)" in report, endpoint
+        print(f"load harness, {endpoint}: accept length {reported:.2f}, verify steps "
+              f"{[r['spec_verify_ct'] for r in records]}")

@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -458,6 +459,49 @@ def build_checkpoint(
         time.monotonic() - start,
         dst,
     )
+    return dst
+
+
+# predictable_mtp: every sub-block's output projection is scaled by this much.
+_PREDICTABLE_OUTPUT_SCALE = 0.05
+_OUTPUT_PROJECTIONS = re.compile(r"\.(self_attn\.o_proj|(mlp\.)?(experts\.\d+\.|shared_experts\.)?down_proj)\.weight$")
+
+
+def predictable_mtp(src: Path | str, dst: Path | str) -> Path:
+    """Copy the demo checkpoint at `src` (built with an MTP layer) to `dst`, changed so that the
+    MTP ("NextN") layer predicts what the target model will: EAGLE drafts are then mostly
+    accepted, as a trained MTP layer's are. Returns `dst`. For tests and benchmarks; the demo's
+    own MTP layer is random, so its drafts are rarely right.
+
+    Every sub-block's output projection (`o_proj`, every `down_proj`) is scaled down, so the
+    target's next token depends mostly on the current token (a bigram model,
+    head(norm(embed(t)))), and the MTP layer computes that same bigram: `eh_proj` = [I, 0]
+    passes the token's normalised embedding through, its decoder layer (a copy of the target's
+    last) adds little, and `shared_head.norm` is the target's final norm. Tensor names are those
+    SGLang's DeepseekV3ForCausalLMNextN loads (`models/deepseek_common/deepseek_weight_loader.py`).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    L, H = config["num_hidden_layers"], config["hidden_size"]
+    if config.get("num_nextn_predict_layers") != 1:
+        raise ValueError(f"{src} has no MTP layer (num_nextn_predict_layers is not 1)")
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in tensors:
+        if _OUTPUT_PROJECTIONS.search(name):
+            tensors[name] = tensors[name] * _PREDICTABLE_OUTPUT_SCALE
+    last, mtp = f"model.layers.{L - 1}.", f"model.layers.{L}."
+    for name in [n for n in tensors if n.startswith(last)]:  # already scaled down like the target's
+        tensors[mtp + name[len(last):]] = tensors[name].clone()
+    tensors[mtp + "eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1)  # [H, 2H]
+    tensors[mtp + "enorm.weight"] = torch.ones(H)
+    tensors[mtp + "hnorm.weight"] = torch.ones(H)
+    tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
     return dst
 
 
