@@ -289,6 +289,8 @@ def run(args) -> dict:
     for label, url in args.targets:
         if args.warmup:
             warm_up(url, args, args.warmup)
+    # Verify-step counts only from servers that decode speculatively (another may refuse the field).
+    spec = {label: bool(facts[label].get("speculative_algorithm")) for label, _ in args.targets}
     levels = []
     for index, concurrency in enumerate(args.levels):
         # A/B: each level starts with the next label (A B, B A, ... for two; A B C, B C A, ...
@@ -296,8 +298,7 @@ def run(args) -> dict:
         turn = index % len(args.targets)
         order = args.targets[turn:] + args.targets[:turn]
         for label, url in order:
-            spec = bool(facts[label].get("speculative_algorithm"))
-            levels.append(run_level(label, url, concurrency, index, args, prompt_args, out, spec))
+            levels.append(run_level(label, url, concurrency, index, args, prompt_args, out, spec[label]))
             if levels[-1].get("interrupted"):
                 break
         if levels[-1].get("interrupted"):

@@ -60,12 +60,13 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def build_checkpoint(out: Path, draft: str) -> Path:
-    from sglang_farskip.demo_model import build_checkpoint as build, predictable_mtp
+def prepare_checkpoint(out: Path, draft: str) -> Path:
+    """The demo with an MTP layer under `out` (built once, reused by later runs there)."""
+    from sglang_farskip.demo_model import build_checkpoint, predictable_mtp
 
     base = out / "ckpt-demo"
     if not base.exists():
-        build(base, seed=0)
+        build_checkpoint(base, seed=0)
     if draft == "random":
         return base
     path = out / "ckpt-predictable-mtp"
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = (args.out or REPO / "bench-results" / f"spec-ab-{datetime.now():%Y%m%d-%H%M%S}").absolute()
     out.mkdir(parents=True, exist_ok=True)
-    model = build_checkpoint(out, args.draft)
+    model = prepare_checkpoint(out, args.draft)
     servers = {}
     try:
         for k, (label, flags) in enumerate(TARGETS.items()):
