@@ -11,9 +11,13 @@ cd "$root"
 # tests._durations (tests/ has no __init__.py: a namespace package). `-p _durations` would
 # need tests/ on PYTHONPATH, which every server and tool the tests start would inherit.
 # FARSKIP_TEST_WORKERS=N: N pytest-xdist workers share the files (tests/_workers.py says how
-# and why); 0, the default, runs everything in this one process.
-# Not yet the default: one load-timing test failed beside a second worker (docs/testing.md).
-workers="${FARSKIP_TEST_WORKERS:-0}"
+# and why); 0 runs everything in this one process. The default is 2 where there are 2 cores
+# or more: most of the suite waits on servers, and one process left a 2-core machine idle a
+# third of the time.
+if [ -z "${FARSKIP_TEST_WORKERS:-}" ]; then
+  if [ "$(nproc)" -ge 2 ]; then FARSKIP_TEST_WORKERS=2; else FARSKIP_TEST_WORKERS=0; fi
+fi
+workers="$FARSKIP_TEST_WORKERS"
 args=(-p tests._durations)
 if [ "$workers" != 0 ]; then
   args+=(-p tests._workers -n "$workers" --dist loadfile --no-loadscope-reorder)

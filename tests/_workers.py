@@ -14,9 +14,9 @@ checks, a server's single-threaded start-up. A second worker fills those gaps.
   pytest 9 no longer reads).
 - The longest files are handed out first (longest-processing-time first), so that both workers
   end at about the same time; the others follow in collection order.
-
-Not the default yet: beside a second worker one load-timing test (test_load_harness's
-cross-check with sglang.benchmark.serving) failed its client-overhead bound.
+- Files in ALONE run last, each with no other file running: their checks compare timings of
+  runs made one after the other, which a neighbour's load shifts (test_load_crosscheck.py failed
+  its client-overhead bound beside a second worker: 43 ms against 39 ms).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ SHARED = {
     "tests/test_firewall.py": "netns",
     "tests/test_watchdog.py": "netns",
 }
+
+# Run last, one at a time, while every other worker is idle.
+ALONE = {"tests/test_load_crosscheck.py"}
 
 # Longest first, from CI's time-per-file table (tests/_durations.py): seconds in one process.
 LONGEST_FIRST = [
@@ -53,7 +56,12 @@ def group_of(nodeid: str) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Runs on each worker; xdist hands the files out in this order."""
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: file order kept
+
+    def order(item: pytest.Item) -> tuple[bool, int]:
+        group = group_of(item.nodeid)
+        return group in ALONE, rank.get(group, len(rank))
+
+    items.sort(key=order)  # stable: file order kept within equal keys
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own choice of scheduler
@@ -65,5 +73,37 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class SharedFileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
+
+        # An xdist worker holds back its last test until it gets more work or is shut down (pytest
+        # runs a test only once it knows the next one), so "no test left anywhere" never comes
+        # while work is queued. With an ALONE group next in the queue, one worker, the runner,
+        # is kept; every other one is shut down as soon as it holds no more than that last test
+        # (it then runs it and exits); the runner gets the group once the others have finished
+        # and it holds no more than its own last test, which then runs first, alone too.
+        def _alone_next(self) -> bool:
+            return bool(self.workqueue) and next(iter(self.workqueue)) in ALONE
+
+        def _start_alone(self) -> None:
+            active = [n for n in self.nodes if not n.shutting_down]
+            if not active:
+                return
+            runner, pending = active[0], lambda n: self._pending_of(self.assigned_work[n])
+            for node in active[1:]:
+                if pending(node) <= 1:
+                    node.shutdown()
+            if pending(runner) <= 1 and all(pending(n) == 0 for n in self.nodes if n is not runner):
+                super()._assign_work_unit(runner)
+
+        def _assign_work_unit(self, node) -> None:
+            if self._alone_next():
+                self._start_alone()
+            else:
+                super()._assign_work_unit(node)
+
+        def _reschedule(self, node) -> None:
+            if self._alone_next():  # whichever worker reported: a shut-down one finishing counts too
+                self._start_alone()
+            else:
+                super()._reschedule(node)
 
     return SharedFileScheduling(config, log)

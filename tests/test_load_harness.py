@@ -1,5 +1,6 @@
-"""The load harness (bench/) end to end against the real demo server: real HTTP, real locust,
-real sglang.benchmark.serving. One server start is shared by every test (module fixture).
+"""The load harness (bench/) end to end against the real demo server: real HTTP, real locust.
+One server start is shared by every test (module fixture). Its cross-check with
+sglang.benchmark.serving is in test_load_crosscheck.py.
 
 What each test proves is in its name; the numbers are kept small (few tokens, seconds-long
 levels) so the whole file fits in about three minutes on a 2-core machine.
@@ -376,39 +377,3 @@ def test_locustfile_refuses_to_start_without_prompts(server):
     r = subprocess.run([sys.executable, "-m", "locust", "-f", str(REPO / "bench" / "locustfile.py"), "--headless",
                         "-u", "1", "-t", "2s", "--host", server.url], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "error: no prompts" in r.stderr
-
-
-def test_agrees_with_sglang_benchmark_serving(server, tmp_path):
-    # bench/crosscheck_sglang.py: the harness, then sglang.benchmark.serving, on the same
-    # server and workload. Medians: a 35 % bound (the script states 10 %) and "inconclusive"
-    # accepted, so that a busy CI box shifting the load between the two runs cannot fail it;
-    # "disagree" (outside the bound even allowing for sampling) fails. Then the drift-free
-    # view: each tool against the server's own histograms of its own run must match the other.
-    # A definition or unit error (wrong start, per chunk instead of per token, ms for s) fails
-    # one or the other.
-    # Time: the two runs took 150-193 s beside two busy loops (the sglang client up to 155 s of
-    # it), and one run went past 240 s. The script's own --timeout ends a hang and names the
-    # stuck tool with its log; the subprocess bound only backs it up.
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "crosscheck_sglang.py"), "--url", server.url,
-                        "--rounds", "1", "--concurrency", "1", "--requests", "24", "--max-tokens", "12",
-                        "--input-len", "32", "--rel-tol", "0.35", "--abs-tol-ms", "5", "--timeout", "420",
-                        "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=480, cwd=REPO)
-    print(r.stdout)
-    assert r.returncode in (0, 3), r.stdout + r.stderr
-    res = json.loads((tmp_path / "crosscheck.json").read_text())
-    assert res["counts"] == {"harness": {"requests": 24, "failed": 0}, "sglang": {"requests": 24, "failed": 0}}
-    assert all(row["verdict"] in ("agree", "inconclusive") for row in res["medians"] if row["checked"])
-    # The server's histograms saw exactly each run's requests (the warm-up came before).
-    assert [run["server"]["ttft"]["count"] for run in res["runs"]] == [24, 24]
-    h, s = res["server_referenced"]["harness"], res["server_referenced"]["sglang"]
-    # Client-side overhead above the server's own TTFT: a few ms for either client on a quiet
-    # machine. On a loaded one a client process waits for a core like the server does (seen: the
-    # server's TTFT mean 77 ms in one run and 280 ms in the other, overheads +6 and +23 ms), so
-    # the bound grows with the slower run's server TTFT: 10 ms, or 10 % of it. A definition
-    # error (TTFT at the second chunk: one ITL, 25 ms or more here; a unit error) still fails.
-    slowest_server_ttft = max(run["server"]["ttft"]["mean_ms"] for run in res["runs"])
-    assert abs(h["ttft_client_minus_server_ms"] - s["ttft_client_minus_server_ms"]) <= max(
-        10.0, 0.1 * slowest_server_ttft)
-    assert 0 < h["ttft_client_minus_server_ms"] and 0 < s["ttft_client_minus_server_ms"]
-    assert abs(h["itl_client_over_server"] - s["itl_client_over_server"]) <= 0.05
