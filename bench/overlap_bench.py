@@ -2,9 +2,10 @@
 
     sudo .venv/bin/python bench/overlap_bench.py --link loopback
     sudo .venv/bin/python bench/overlap_bench.py --link shaped --rate 200mbit
+    sudo .venv/bin/python bench/overlap_bench.py --link shaped --layout dp-attention
 
-Each mode gets its own TP=2 server on the tiny demo model (the same weights), started one
-after another (two idle TP servers busy-poll the 2 cores), and the same workload:
+Each mode gets its own two-rank server on the tiny demo model (the same weights), started one
+after another (two idle servers busy-poll the 2 cores), and the same workload:
 - TTFT: serial single requests of --prompt-len random tokens (no prefix-cache hits), 1 token;
 - ITL: --batch concurrent streams decoding --decode-tokens tokens each.
 In overlap and sync mode the server records, per collective, its duration and how long the
@@ -17,6 +18,14 @@ caller was blocked waiting (comm.OverlapProfiler); from rank 0's record:
                                           of compute and communication (the tighter one once
                                           communication is the larger share)
 
+Per collective lane (attn, attn+shared, routed; under DP attention also gather, which is
+waited at once) the report adds its own hidden share in overlap mode and its blocked time in
+sync mode.
+
+--layout tp:           --tp 2: attention and MoE both tensor-parallel over the two ranks.
+--layout dp-attention: --tp 2 --dp 2 --enable-dp-attention: each rank attends over its own
+                       requests (SGLang hands them out in turn), the MoE runs on both ranks'
+                       tokens. Add --server-arg=--ep-size=2 for expert parallelism.
 --link loopback: both ranks in one node, gloo over 127.0.0.1.
 --link shaped:   two "nodes" (nnodes 2, one rank each) in two network namespaces joined by a
                  veth pair, each end rate-limited with `tc qdisc ... tbf` (a small bucket:
@@ -136,12 +145,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Deployment:
-    """One TP=2 FarSkip server in one mode, on loopback or across the two namespaces."""
+LAYOUTS = {"tp": ["--tp", "2"], "dp-attention": ["--tp", "2", "--dp", "2", "--enable-dp-attention"]}
 
-    def __init__(self, link: str, mode: str, model: str, profile_dir: Path, log_dir: Path, extra: list[str]):
+
+class Deployment:
+    """One two-rank FarSkip server in one mode and layout, on loopback or across the two
+    namespaces."""
+
+    def __init__(self, link: str, layout: str, mode: str, model: str, profile_dir: Path, log_dir: Path,
+                 extra: list[str]):
         self.link, self.port, self.procs = link, free_port(), []
-        common = ["--model-path", model, "--farskip-mode", mode, "--tp", "2",
+        common = ["--model-path", model, "--farskip-mode", mode, *LAYOUTS[layout],
                   "--max-running-requests", "128", *extra]
         if profile_dir is not None:
             common += ["--farskip-profile-dir", str(profile_dir)]
@@ -201,12 +215,20 @@ def _quote(s: str) -> str:
 
 
 def profile_delta(path: Path, before: dict) -> dict:
+    """{phase: {comm_s, blocked_s, lanes: {lane: {comm_s, blocked_s}}}} since `before`; the
+    profile's keys are "phase/layer/lane"."""
     now = json.loads(path.read_text()) if path.exists() else {}
-    out = {}
-    for phase in ("prefill", "decode"):
-        comm = sum(v["comm_s"] - before.get(k, {}).get("comm_s", 0) for k, v in now.items() if k.startswith(phase))
-        blocked = sum(v["blocked_s"] - before.get(k, {}).get("blocked_s", 0) for k, v in now.items() if k.startswith(phase))
-        out[phase] = {"comm_s": float(comm), "blocked_s": float(blocked)}
+    out = {phase: {"comm_s": 0.0, "blocked_s": 0.0, "lanes": {}} for phase in ("prefill", "decode")}
+    for key, v in now.items():
+        phase, _, lane = key.split("/", 2)
+        if phase not in out:
+            continue
+        then = before.get(key, {})
+        lane_sums = out[phase]["lanes"].setdefault(lane, {"comm_s": 0.0, "blocked_s": 0.0})
+        for field in ("comm_s", "blocked_s"):
+            d = float(v[field] - then.get(field, 0))
+            out[phase][field] += d
+            lane_sums[field] += d
     return out
 
 
@@ -214,11 +236,11 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def measure_mode(link, mode, model, args, work: Path) -> dict:
+def measure_mode(link, layout, mode, model, args, work: Path) -> dict:
     profile_dir = work / f"profile-{mode}"
     shutil.rmtree(profile_dir, ignore_errors=True)
     profile_dir.mkdir(parents=True)
-    dep = Deployment(link, mode, model, None if args.no_profile else profile_dir, work, args.server_arg)
+    dep = Deployment(link, layout, mode, model, None if args.no_profile else profile_dir, work, args.server_arg)
     try:
         t = time.monotonic()
         dep.wait_ready()
@@ -232,6 +254,8 @@ def measure_mode(link, mode, model, args, work: Path) -> dict:
             result.update(r)
             result[f"{phase}_wall_s"] = r["wall_s"]
             result[f"{key}_comm_s"], result[f"{key}_blocked_s"] = d["comm_s"], d["blocked_s"]
+            for lane, v in d["lanes"].items():
+                result[f"{key}_lane_{lane}_comm_s"], result[f"{key}_lane_{lane}_blocked_s"] = v["comm_s"], v["blocked_s"]
             print(f"  [{mode}] {phase}: {r} comm {d['comm_s']:.3f} s blocked {d['blocked_s']:.3f} s", flush=True)
         return result
     finally:
@@ -239,7 +263,9 @@ def measure_mode(link, mode, model, args, work: Path) -> dict:
 
 
 def report(results: dict, args) -> str:
-    lines = [f"link={args.link}" + (f" rate={args.rate} burst={args.burst}" if args.link == "shaped" else "")
+    lines = [f"layout={args.layout} link={args.link}"
+             + (f" rate={args.rate} burst={args.burst}" if args.link == "shaped" else "")
+             + (f" server_args={' '.join(args.server_arg)}" if args.server_arg else "")
              + f" prompt_len={args.prompt_len} batch={args.batch} decode_tokens={args.decode_tokens}"
              + f" repeats={args.repeats} rounds={args.rounds}",
              "", "| mode | TTFT ms | ITL ms | prefill comm hidden | decode comm hidden |",
@@ -256,6 +282,8 @@ def report(results: dict, args) -> str:
                      f"{hidden(r, 'prefill') if mode == 'overlap' else '-'} | "
                      f"{hidden(r, 'decode') if mode == 'overlap' else '-'} |")
     lines.append("")
+    if not args.no_profile and ("overlap" in med or "sync" in med):
+        lines += lane_table(med)
     if "sync" in med and not args.no_profile:
         s = med["sync"]
         for phase, wall in (("prefill", "ttft_wall_s"), ("decode", "itl_wall_s")):
@@ -271,9 +299,28 @@ def report(results: dict, args) -> str:
     return "\n".join(lines)
 
 
+def lane_table(med: dict) -> list[str]:
+    """Per phase and lane: the hidden share in overlap mode, and the seconds callers were
+    blocked over the whole phase (rank 0) in sync and in overlap mode."""
+    lines = ["| phase | lane | overlap: hidden | sync: blocked s | overlap: blocked s |", "|---|---|---|---|---|"]
+    for phase in ("prefill", "decode"):
+        lanes = sorted({k.split("_lane_", 1)[1].rsplit("_", 2)[0] for r in med.values() for k in r
+                        if k.startswith(f"{phase}_lane_")})
+        for lane in lanes:
+            def get(mode, field):
+                return med.get(mode, {}).get(f"{phase}_lane_{lane}_{field}")
+            c, b = get("overlap", "comm_s"), get("overlap", "blocked_s")
+            hidden = f"{100 * (1 - b / c):.1f}%" if c else "-"
+            fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+            lines.append(f"| {phase} | {lane} | {hidden} | {fmt(get('sync', 'blocked_s'))} | {fmt(b)} |")
+    return [*lines, ""]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--link", choices=["loopback", "shaped"], default="loopback")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="tp",
+                   help="tp: --tp 2; dp-attention: --tp 2 --dp 2 --enable-dp-attention")
     p.add_argument("--rate", default="200mbit", help="tbf rate of each veth end (shaped link)")
     p.add_argument("--burst", default="4kb",
                    help="tbf bucket of each veth end (shaped link); a large one lets idle time be banked")
@@ -311,8 +358,8 @@ def main() -> int:
     with link_ctx:
         for rnd in range(args.rounds):
             for mode in modes:
-                print(f"round {rnd + 1}/{args.rounds}: {mode} ({args.link})", flush=True)
-                results[mode].append(measure_mode(args.link, mode, model, args, work))
+                print(f"round {rnd + 1}/{args.rounds}: {mode} ({args.layout}, {args.link})", flush=True)
+                results[mode].append(measure_mode(args.link, args.layout, mode, model, args, work))
     text = report(results, args)
     print("\n" + text)
     (work / "report.md").write_text(text + "\n")
