@@ -161,6 +161,17 @@ class DpRows:
         self.global_len = dpa.get_global_dp_buffer_len()
         self.start, self.count = dpa.get_dp_local_info(forward_batch)
         self.first_of_attn_tp = attn_tp_rank == 0
+        # Under MAX_LEN padding SGLang pads every DP rank's batch to the longest (an idle rank
+        # to a fabricated row), and `count` includes the padding, whose attention output is
+        # whatever the padded batch computed (NaN and stale rows, seen on CPU). Padding never
+        # enters a real row's math, but the native CPU MoE runs one GEMM per expert over the
+        # rows routed to it, so a padded row routed by stale values changes the real rows' GEMM
+        # shapes, and their last bits, from run to run. On CPU only the real rows are written,
+        # so padding stays zero and routes the same way every time. On a GPU the device-side
+        # count stays: graph replay updates it, where a host count would be captured as a
+        # constant.
+        real = forward_batch.original_global_num_tokens_cpu
+        self.real_count = None if real is None else real[dpa.dp_slot_in(real)]
 
     def to_global(self, local: torch.Tensor, *, replicated: bool) -> torch.Tensor:
         """[T_d, H] -> [T_g, H]: `local` in this rank's rows, zero elsewhere. `replicated`:
@@ -168,7 +179,10 @@ class DpRows:
         once); otherwise each holds a partial and all write."""
         full = local.new_zeros(self.global_len, *local.shape[1:])
         if local.shape[0] and (self.first_of_attn_tp or not replicated):
-            self._dpa.memcpy(full, local.contiguous(), 0, self.start, self.count, False)
+            count = self.count  # a device tensor: no host sync, graph-capturable
+            if local.is_cpu and self.real_count is not None:
+                count = min(self.real_count, local.shape[0])
+            self._dpa.memcpy(full, local.contiguous(), 0, self.start, count, False)
         return full
 
     def to_local(self, full: torch.Tensor) -> torch.Tensor:
