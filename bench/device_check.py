@@ -33,11 +33,12 @@ priority     Stream priority against DeepSeek-V3-shaped GEMMs: how long a small 
              PASS if high priority is not slower.
 server       SGLang end to end at TP=1 on a 3-layer DeepSeek-V3-shaped FP8-block model
              (hidden 7168, 256 experts, dummy weights): sync; overlap with the side stream forced
-             at one rank (test-only config key, probe on); the same with --disable-cuda-graph;
-             the same with breakable prefill graphs. Prompts of 1, 100 and 4096 tokens (4096 is
+             at one rank (test-only config key, probe on); `blocking` (the same side stream,
+             each all-reduce joined at its launch); overlap with --disable-cuda-graph;
+             overlap with breakable prefill graphs. Prompts of 1, 100 and 4096 tokens (4096 is
              two 2048-token chunks), a 4096-token cached prefix longer than the chunk, decode at
-             batch 1, 3 (padded to a graph of 4) and 64. Overlap must equal sync bitwise (same
-             graphs, same kernels); eager and breakable variants must match within LOGPROB_TOL.
+             batch 1, 3 (padded to a graph of 4) and 64. Overlap must equal sync, and blocking
+             overlap, bitwise (same graphs, same kernels); eager and breakable variants must match within LOGPROB_TOL.
              Each server runs the workload twice (prefix cache flushed between) and must repeat
              its own bits, else a bitwise check would say nothing. Triton FP8 kernels, not
              DeepGEMM, unless --deepgemm (its cold-cache precompilation takes minutes).
@@ -168,12 +169,15 @@ SERVER_VARIANTS = {
     # prefill graphs off in both: the launcher turns them off for GPU overlap by default.
     "sync": ["--farskip-mode", "sync", "--cuda-graph-backend-prefill", "disabled"],
     "overlap": FORCE_SIDE,
+    # the same side communicator, each all-reduce joined at its launch: overlap's A/B partner
+    "blocking": [*FORCE_SIDE, "--farskip-mode", "blocking"],
     "overlap-eager": [*FORCE_SIDE, "--disable-cuda-graph"],
     "overlap-breakable": [*FORCE_SIDE, "--cuda-graph-backend-prefill", "breakable",
                           "--cuda-graph-bs-prefill", "128", "512", str(CHUNK)],
 }
 # (variant, reference, tolerance)
-SERVER_CHECKS = [("overlap", "sync", 0.0), ("overlap-eager", "overlap", LOGPROB_TOL),
+SERVER_CHECKS = [("overlap", "sync", 0.0), ("blocking", "overlap", 0.0),
+                 ("overlap-eager", "overlap", LOGPROB_TOL),
                  ("overlap-breakable", "overlap", LOGPROB_TOL)]
 
 

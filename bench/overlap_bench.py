@@ -291,7 +291,7 @@ def report(results: dict, args) -> str:
             lines.append(f"sync {phase}: exposed communication share f = {f:.2f}, "
                          f"bound 1/(1-f) = {1 / (1 - f) if f < 1 else float('inf'):.2f}x, "
                          f"link-bound 1/max(f,1-f) = {1 / max(f, 1 - f):.2f}x")
-    for base in ("sync", "off"):
+    for base in ("blocking", "sync", "off"):
         if "overlap" in med and base in med:
             o, b = med["overlap"], med[base]
             lines.append(f"overlap/{base}: TTFT {o['ttft_s'] / b['ttft_s']:.3f}  ITL {o['itl_s'] / b['itl_s']:.3f}"

@@ -42,9 +42,23 @@ def _worker(rank: int, port: int, results) -> None:
     handles = [overlap.start_all_reduce(p.clone(), lane="routed", layer=i) for i, p in enumerate(parts)]
     overlap.mark_compute()  # work between launch and wait, as the model does
     got = [h.wait() for h in handles]
+
+    # `blocking` mode: the comm thread, joined at launch. Nothing may be in flight when
+    # start_all_reduce returns, whatever compute follows; the bits are the same.
+    waited = Communicator(group, asynchronous=True, wait_at_launch=True)
+    waited.profiler = OverlapProfiler()
+    at_launch, idle_after_start = [], []
+    for i, p in enumerate(parts):
+        h = waited.start_all_reduce(p.clone(), lane="routed", layer=i)
+        idle_after_start.append(not waited.in_flight())
+        waited.mark_compute()
+        at_launch.append(h.wait())
     results[rank] = {
         "bitwise": all(torch.equal(a, b) for a, b in zip(want, got)),
-        "backends": (blocking.backend, overlap.backend),
+        "waited_bitwise": all(torch.equal(a, b) for a, b in zip(want, at_launch)),
+        "idle_after_start": idle_after_start,
+        "waited_profile": waited.profiler.snapshot(),
+        "backends": (blocking.backend, overlap.backend, waited.backend),
         "profile": overlap.profiler.snapshot(),
         "sum_ok": torch.allclose(got[0], sum(torch.randn(64, 32, generator=torch.Generator().manual_seed(r)) for r in range(2))),
     }
@@ -57,10 +71,13 @@ def test_async_equals_blocking_on_two_gloo_ranks():
     for rank in range(2):
         r = results[rank]
         assert r["bitwise"] and r["sum_ok"]
-        assert r["backends"] == ("blocking", "comm-thread")
+        assert r["backends"] == ("blocking", "comm-thread", "comm-thread")
         stats = r["profile"]["prefill/0/routed"]
         assert stats["count"] == 1 and stats["min_steps_between"] == 1
         assert stats["comm_s"] >= 0 and stats["blocked_s"] >= 0
+        # wait_at_launch: same bits, nothing in flight after a launch, no step between
+        assert r["waited_bitwise"] and r["idle_after_start"] == [True] * 3
+        assert [r["waited_profile"][f"prefill/{i}/routed"]["min_steps_between"] for i in range(3)] == [0] * 3
 
 
 def test_world_size_one_is_identity_and_double_wait_raises():

@@ -206,6 +206,9 @@ def test_device_check_servers_force_the_side_stream_except_sync(device_check):
             own, _ = _split_own_flags(argv)
             assert own.farskip_test_force_side_stream and own.farskip_gpu_overlap
     assert ("overlap", "sync", 0.0) in device_check.SERVER_CHECKS
+    assert ("blocking", "overlap", 0.0) in device_check.SERVER_CHECKS
+    own, _ = _split_own_flags(device_check.server_argv("/m", "blocking", 1234))
+    assert own.farskip_mode == "blocking"
 
 
 def _seq(ids, lps, tops):

@@ -5,12 +5,14 @@ loopback.
   the same order (one code path; only where wait() is called differs). A two-rank sum is one
   commutative float add; at four ranks gloo's reduction order is fixed by the group and the
   message size, which both modes share. So logprobs must be bit-identical, not merely close;
+  `blocking` (overlap's comm thread, each sum waited at its launch) too, at TP=2;
 - every layout (TP=2, TP=2/EP=2, TP=4/EP=4, two nodes) x every conversion (all layers, layers
   2..3; TP=4 all layers only, two nodes layers 2..3 only) against reference.py: greedy tokens equal and logprobs within
   LOGPROB_ATOL (see parity.py for why 1e-4). test_server_parity.py shows TP=1 equals the
   reference on the same prompts, so equality here is also equality with TP=1;
 - the overlap instrumentation shows real deferral: on both lanes, at least one sub-block of
-  compute ran between each launch and its wait, in prefill and in decode;
+  compute ran between each launch and its wait, in prefill and in decode (and none in
+  `blocking`);
 - killing one node mid-request makes the other exit with an error, not hang.
 """
 
@@ -29,7 +31,7 @@ from sglang_farskip.demo_model import build_checkpoint
 from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, ONE_THREAD, PROMPTS, assert_matches_reference, served
-from serverutil import Server, free_port
+from serverutil import Server, free_port, side_by_side
 
 
 @pytest.fixture(scope="module")
@@ -41,37 +43,38 @@ def checkpoints(tmp_path_factory):
     return {"full": full, "range": root / "range"}
 
 
-def test_tp2_overlap_is_bit_identical_to_sync_and_defers_waits(checkpoints, tmp_path):
+def test_tp2_overlap_is_bit_identical_to_sync_and_blocking_and_defers_waits(checkpoints, tmp_path):
+    """overlap, sync and blocking (overlap's comm thread, waited at launch) side by side: the
+    same bits, and only overlap has compute between a launch and its wait."""
     path = str(checkpoints["full"])
-    profile = tmp_path / "profile"
-    with Server(["--model-path", path, "--tp", "2", "--farskip-profile-dir", str(profile), *FLOAT32],
-                env=ONE_THREAD) as server:
-        server.wait_ready()
-        ranks = server.get("/farskip/info")["ranks"]
-        overlap = served(server)
-    assert [r["mode"] for r in ranks] == ["overlap", "overlap"]
-    assert {r["comm_backend"] for r in ranks} == {"comm-thread"}
+    runs = {mode: {"args": ["--model-path", path, "--tp", "2", "--farskip-mode", mode,
+                            "--farskip-profile-dir", str(tmp_path / mode), *FLOAT32],
+                   "env": ONE_THREAD}
+            for mode in ("overlap", "sync", "blocking")}
+    with side_by_side(runs) as servers:
+        ranks = {mode: s.get("/farskip/info")["ranks"] for mode, s in servers.items()}
+        results = {mode: served(s) for mode, s in servers.items()}
+    for mode, backend in (("overlap", "comm-thread"), ("sync", "blocking"), ("blocking", "comm-thread")):
+        assert [(r["mode"], r["comm_backend"]) for r in ranks[mode]] == [(mode, backend)] * 2, ranks[mode]
 
     for rank in (0, 1):
-        stats = json.loads((profile / f"profile-rank{rank}.json").read_text())
+        profiles = {mode: json.loads((tmp_path / mode / f"profile-rank{rank}.json").read_text())
+                    for mode in ("overlap", "blocking")}
         for phase in ("prefill", "decode"):
             for lane in ("attn+shared", "routed"):
                 # MoE layers only (1..3): the dense layer 0's output must reach layer 1's
                 # attention input (DESIGN section 1), so its sum is waited right away; and the
                 # final norm drains the last layer's routed sum, so that one cannot overlap.
                 layers = (1, 2, 3) if lane == "attn+shared" else (1, 2)
-                rows = [stats[f"{phase}/{k}/{lane}"] for k in layers]
+                rows = [profiles["overlap"][f"{phase}/{k}/{lane}"] for k in layers]
                 # The attention-lane sum is launched before the routed experts and waited at
                 # the next layer; the routed sum is waited after the next attention.
                 assert min(r["min_steps_between"] for r in rows) >= 1, (phase, lane, rows)
-
-    with Server(["--model-path", path, "--tp", "2", "--farskip-mode", "sync", *FLOAT32],
-                env=ONE_THREAD) as server:
-        server.wait_ready()
-        assert [r["mode"] for r in server.get("/farskip/info")["ranks"]] == ["sync", "sync"]
-        sync = served(server)
-    assert overlap == sync
-    assert_matches_reference(overlap, load_reference(path))
+                # blocking: the same collectives, each waited before any compute follows
+                rows = [profiles["blocking"][f"{phase}/{k}/{lane}"] for k in layers]
+                assert max(r["min_steps_between"] for r in rows) == 0, (phase, lane, rows)
+    assert results["overlap"] == results["sync"] == results["blocking"]
+    assert_matches_reference(results["overlap"], load_reference(path))
 
 
 LAYOUTS = {"tp2": ["--tp", "2"], "tp2-ep2": ["--tp", "2", "--ep-size", "2"]}

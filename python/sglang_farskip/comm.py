@@ -12,6 +12,7 @@ Backends, chosen once per communicator (`parallel.build_communicator` decides wh
 - identity (world size 1): the "sum" is the input.
 - blocking: the group's own all-reduce inside start_all_reduce (on GPU SGLang's
   GroupCoordinator picks custom AR / pynccl / NCCL). FarSkip's `sync` mode.
+  (`blocking` mode is the comm thread or side stream below, joined inside start_all_reduce.)
 - comm thread (CPU, gloo): one dedicated thread runs the group's blocking all-reduce for
   every launch, strictly in launch order; wait() blocks on that launch's future. One thread in
   program order is what the GPU side stream does too, so the routed sum never shares the wire
@@ -242,8 +243,12 @@ class Communicator:
     device check runs the real launch/fork/join path on one GPU.
     """
 
-    def __init__(self, group, *, asynchronous: bool, side_stream: Optional[SideStreamAllReduce] = None):
+    def __init__(self, group, *, asynchronous: bool, side_stream: Optional[SideStreamAllReduce] = None,
+                 wait_at_launch: bool = False):
         self.group = group
+        # `blocking` mode: the asynchronous backend, joined inside start_all_reduce, so that an
+        # A/B against overlap changes nothing but where the waits are.
+        self.wait_at_launch = wait_at_launch
         self.world_size = group.world_size if group is not None else 1
         self.side_stream = side_stream
         self.asynchronous = asynchronous and (self.world_size > 1 or side_stream is not None)
@@ -279,12 +284,14 @@ class Communicator:
         timing = GpuTiming() if record is not None and tensor.is_cuda else None
         if self.asynchronous and self.side_stream is not None:
             event = self.side_stream.start(tensor, timing)
-            return Handle(tensor, event=event, record=record, profiler=prof, timing=timing)
+            handle = Handle(tensor, event=event, record=record, profiler=prof, timing=timing)
+            return handle.join() if self.wait_at_launch else handle
         if self.asynchronous:
             work = self._thread.start(tensor)
             if record is not None:
                 prof.track(record, work)
-            return Handle(tensor, work=work, record=record, profiler=prof)
+            handle = Handle(tensor, work=work, record=record, profiler=prof)
+            return handle.join() if self.wait_at_launch else handle
         if timing is not None:
             timing.start.record()
         out = tensor if self.world_size == 1 else self.group.all_reduce(tensor)

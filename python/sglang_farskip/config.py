@@ -33,7 +33,16 @@ class FarSkipConfigError(ValueError):
 class FarSkipMode(str, enum.Enum):
     OVERLAP = "overlap"  # FarSkip wiring, async all-reduce, waits deferred to first use
     SYNC = "sync"  # FarSkip wiring, every all-reduce waited right after launch
+    # FarSkip wiring on overlap's own communicator, each all-reduce waited at its launch: the
+    # A/B against `overlap` that changes only where the waits are (on a GPU `sync` also changes
+    # the all-reduce kernel: SGLang's custom all-reduce against FarSkip's NCCL call).
+    BLOCKING = "blocking"
     OFF = "off"  # stock DeepSeek-V3 wiring on FarSkip weights: for A/B timing only
+
+    @property
+    def own_communicator(self) -> bool:
+        """Runs on FarSkip's asynchronous communicator (comm thread, GPU side stream)."""
+        return self in (FarSkipMode.OVERLAP, FarSkipMode.BLOCKING)
 
     @classmethod
     def parse(cls, value: "str | FarSkipMode") -> "FarSkipMode":

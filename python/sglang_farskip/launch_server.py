@@ -1,4 +1,4 @@
-"""`python -m sglang_farskip.launch_server [--farskip-mode overlap|sync|off] [SGLang flags...]`
+"""`python -m sglang_farskip.launch_server [--farskip-mode overlap|sync|blocking|off] [SGLang flags...]`
 
 Every SGLang flag passes through. What this adds to `python -m sglang.launch_server`:
 - no --model-path: build (once, cached) a tiny FarSkip demo checkpoint and serve it
@@ -335,7 +335,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     if on_cpu:
         argv = argv + _cpu_setup(given)
         _check_stand_in()
-    elif opts.gpu_overlap and farskip.enabled and opts.mode is FarSkipMode.OVERLAP:
+    elif opts.gpu_overlap and farskip.enabled and opts.mode.own_communicator:
         argv = argv + gpu_overlap_graph_args(given)
 
     _check_cpu_engine(on_cpu, gpu, given.get("--device"))
@@ -374,7 +374,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
             f"{prefill_backend!r}: drop --attention-backend/--prefill-attention-backend, or the flag"
         )
     if farskip.enabled and opts.mode is not FarSkipMode.OFF:
-        overlap = opts.mode is FarSkipMode.OVERLAP
+        overlap = opts.mode.own_communicator
         problems = unsupported(resolved, overlap=overlap,
                                side_stream=overlap and uses_side_stream(resolved, opts),
                                gpu_profiling=bool(opts.profile_dir) and not on_cpu)

@@ -9,8 +9,9 @@ options into the one `comm.Communicator` the forward is handed:
 - `DpRows`: under DP attention, where this rank's own tokens sit among the MoE group's (the
   residual is kept for all of them; see its docstring);
 - `check_layers`: what SGLang built agrees with the wiring (MoE vs dense, shared experts apart);
-- `build_communicator`: identity, blocking, the gloo comm thread, or the GPU side stream,
-  and the mode that really runs (it can fall back to `sync`, and says so);
+- `build_communicator`: identity, blocking, the gloo comm thread, or the GPU side stream
+  (waited at launch in `blocking` mode), and the mode that really runs (it can fall back to
+  `sync`, and says so);
 - `gpu_side_stream`: FarSkip's own NCCL/RCCL communicator on a high-priority stream, warmed up
   with the largest message before SGLang sizes the KV pool.
 """
@@ -36,7 +37,7 @@ def check_server_args(options: RuntimeOptions) -> None:
     from sglang.srt.runtime_context import get_server_args
 
     args = resolving_view(get_server_args())
-    overlap = options.mode is FarSkipMode.OVERLAP
+    overlap = options.mode.own_communicator
     problems = unsupported(
         args, overlap=overlap,
         side_stream=overlap and uses_side_stream(args, options),
@@ -89,22 +90,23 @@ def build_communicator(group, options: RuntimeOptions, hidden_size: int, tp_rank
     """The communicator for `options.mode` on this device, and the mode that really runs."""
     side_stream = None
     force_side = options.force_side_stream
-    asynchronous = options.mode is FarSkipMode.OVERLAP and (group.world_size > 1 or force_side)
+    asynchronous = options.mode.own_communicator and (group.world_size > 1 or force_side)
     if asynchronous and (force_side or not Communicator.supports_cpu_async(group)):
         if options.gpu_overlap:
             side_stream = gpu_side_stream(group, options, hidden_size)
         else:
             logger.warning(
-                "FarSkip overlap on %s: the side-stream all-reduce has not been validated on "
+                "FarSkip %s on %s: the side-stream all-reduce has not been validated on "
                 "hardware yet, so the FarSkip wiring runs with blocking all-reduce (sync mode). "
-                "Opt in with --farskip-gpu-overlap.", group.device,
+                "Opt in with --farskip-gpu-overlap.", options.mode.value, group.device,
             )
             asynchronous = False
-    comm = Communicator(group, asynchronous=asynchronous, side_stream=side_stream)
+    comm = Communicator(group, asynchronous=asynchronous, side_stream=side_stream,
+                        wait_at_launch=options.mode is FarSkipMode.BLOCKING)
     if options.profile_dir:
         comm.profiler = OverlapProfiler(os.path.join(options.profile_dir, f"profile-rank{tp_rank}.json"))
-    overlapping = options.mode is FarSkipMode.OVERLAP and (asynchronous or group.world_size == 1)
-    return comm, FarSkipMode.OVERLAP if overlapping else FarSkipMode.SYNC
+    own = options.mode.own_communicator and (asynchronous or group.world_size == 1)
+    return comm, options.mode if own else FarSkipMode.SYNC
 
 
 def gpu_side_stream(group, options: RuntimeOptions, hidden_size: int) -> SideStreamAllReduce:
