@@ -79,10 +79,6 @@ def refused(tmp_path_factory) -> dict[str, str | None]:
         **{name: ["--model-path", demo, *flags] for name, (flags, _) in UNSUPPORTED.items()},
         "spec_eagle3": ["--model-path", demo, "--speculative-algorithm", "EAGLE3",
                         "--speculative-draft-model-path", demo],
-        "spec_dp_attention": ["--model-path", demo, "--speculative-algorithm", "EAGLE",
-                              "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
-                              "--speculative-num-draft-tokens", "3", "--tp", "2", "--dp", "2",
-                              "--enable-dp-attention"],
         "start_method_on_gpu": ["--model-path", demo, "--device", "cuda", "--farskip-cpu-start-method", "spawn"],
         "tc_piecewise": ["--model-path", demo, "--farskip-gpu-overlap",
                          "--cuda-graph-backend-prefill", "tc_piecewise"],
@@ -147,8 +143,6 @@ def test_tc_piecewise_prefill_graphs_are_refused_with_overlap(refused):
 
 def test_untested_speculative_decoding_is_refused(refused):
     assert_refused(refused["spec_eagle3"], "FarSkip cannot run", "EAGLE (DeepSeek's NextN layer", "EAGLE or NGRAM")
-    assert_refused(refused["spec_dp_attention"], "FarSkip cannot run", "under DP attention",
-                   "drop --enable-dp-attention or --speculative-algorithm")
 
 
 def test_cpu_start_method_is_refused_on_a_gpu(refused):

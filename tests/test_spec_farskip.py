@@ -14,14 +14,17 @@ extend) changes the tokens.
   mostly rejected (exactness when verify throws drafts away);
 - Instella-MoE (no MTP layer): NGRAM;
 - TP=2/EP=2 `overlap` EAGLE tree, TP=2 `overlap` NGRAM;
-- two node processes (TP=2 across them, loopback): EAGLE tree and NGRAM.
+- two node processes (TP=2 across them, loopback): EAGLE tree and NGRAM;
+- DP attention (`--tp 2 --dp 2 --enable-dp-attention`): EAGLE tree `overlap`, and an EAGLE
+  chain `sync` with EP=2 (SGLang itself refuses NGRAM under DP attention). The requests sent all
+  at once land on both DP ranks, so prefills, verify steps and draft extends of the two ranks
+  meet in one MLP-sync batch, padded to the same size: the padded requests of a verify or draft
+  extend crashed the CPU attention before cpu_mha/cpu_spec handled them (2 and 3 of 3 such
+  servers crashed in two tries).
 Accept lengths are asserted: the EAGLE drafts of the predictable MTP layer (tests/speculative.py)
 and the n-gram drafts on the repeated prompt are mostly accepted. The load harness
 (bench/run_load.py) runs against one EAGLE server over both endpoints and must report the accept
 length the server's per-request counts give.
-
-Not here: DP attention, which the launcher refuses with speculative decoding (the NextN draft's
-extend failed on concurrent requests under DP attention on CPU; test_launcher_errors.py).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from speculative import SPEC_FLAGS, ask_all, assert_greedy_equal, reference_gree
 
 START_TIMEOUT_S = 600  # several servers side by side on 2 cores
 TP2 = ["--tp", "2"]
+DP = ["--tp", "2", "--dp", "2", "--enable-dp-attention"]
 
 # name: (checkpoint, layout flags, FarSkip mode, algorithm)
 RUNS = {
@@ -51,12 +55,15 @@ RUNS = {
     "tp2_ngram": ("mtp", TP2, "overlap", "ngram"),
     "two_nodes_eagle_tree": ("mtp", "two nodes", "overlap", "eagle_tree"),
     "two_nodes_ngram": ("mtp", "two nodes", "overlap", "ngram"),
+    "dp_eagle_tree": ("mtp", DP, "overlap", "eagle_tree"),
+    "dp_ep2_sync_eagle_chain": ("mtp", [*DP, "--ep-size", "2"], "sync", "eagle_chain"),
 }
 # Started in these groups (each side by side): one rank each, two ranks each, two nodes.
 GROUPS = [
     ["tp1_eagle_tree", "tp1_ngram", "range_sync_eagle_chain", "instella_ngram"],
     ["tp2_ep2_eagle_tree", "tp2_ngram"],
     ["two_nodes_eagle_tree", "two_nodes_ngram"],
+    ["dp_eagle_tree", "dp_ep2_sync_eagle_chain"],
 ]
 CONVERTED = {"mtp": [0, 1, 2, 3], "range": [2, 3], "instella": [0, 1, 2, 3]}
 # The load harness runs against this server (drafts mostly accepted), once per endpoint.
@@ -127,6 +134,8 @@ def test_speculative_farskip_equals_reference(served, expected, run):
     ranks, sequential, concurrent = served[run]
     for rank in ranks:
         assert rank["mode"] == mode and rank["converted_layers"] == CONVERTED[kind], rank
+    if layout[:1] == DP[:1] and "--enable-dp-attention" in layout:
+        assert [r["attn_dp_rank"] for r in ranks] == [0, 1], ranks
     worst = assert_greedy_equal(sequential, concurrent, expected[kind])
     lengths = [round(meta["spec_accept_length"], 2) for meta in sequential]
     print(f"{run}: largest chosen-logprob difference {worst:.1e}; accept length per prompt {lengths}")

@@ -120,15 +120,6 @@ def unsupported(server_args: Any, *, overlap: bool = False, side_stream: bool = 
             f"would all-reduce it {server_args.tp_size} times over (moe_dense_tp_size=1): "
             "drop --moe-dense-tp-size"
         )
-    dp_attention = bool(getattr(server_args, "enable_dp_attention", False)) or (getattr(server_args, "attn_dp_size", 1) or 1) > 1
-    if getattr(server_args, "speculative_algorithm", None) is not None and dp_attention:
-        # The NextN draft's extend crashed on concurrent requests under DP attention on CPU
-        # (torch_native extend, query length 3 for a one-token slot); not verified elsewhere.
-        problems.append(
-            "speculative decoding under DP attention is not verified with the FarSkip wiring "
-            f"(speculative_algorithm={server_args.speculative_algorithm!r} with DP attention): "
-            "drop --enable-dp-attention or --speculative-algorithm"
-        )
     if overlap and "tc_piecewise" in graph_backends(server_args):
         # SGLang 0.5.23 itself rejects the value at parsing; other versions accept it.
         problems.append(

@@ -31,6 +31,7 @@ the flag nothing is counted: that would be a file write per forward.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 
@@ -98,6 +99,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
     return out.to(v.dtype), lse.transpose(0, 1).contiguous()  # lse [H, n] -> [n, H]
 
 
+@contextlib.contextmanager
+def _padding_fits(forward_batch):
+    """DP attention pads every rank's batch to the MLP-sync size with requests of sequence
+    length 1 (`get_cpu_graph_seq_len_fill_value`). A speculative batch gives each request several
+    new tokens (a draft extend: the accepted tokens), so a padded one claims more new tokens than
+    its length, and upstream's extend cannot place its queries (seen: a RuntimeError on
+    concurrent EAGLE requests). Only padding can be that short: for this call its length covers
+    its tokens (it reads slots of the padding request, and its rows are dropped)."""
+    seq_lens = forward_batch.seq_lens
+    need = forward_batch.extend_prefix_lens + forward_batch.extend_seq_lens
+    short = seq_lens < need
+    if not bool(short.any()):
+        yield
+        return
+    forward_batch.seq_lens = torch.maximum(seq_lens, need.to(seq_lens.dtype))
+    try:
+        yield
+    finally:
+        forward_batch.seq_lens = seq_lens
+
+
 @functools.cache  # one class: cpu_spec.py subclasses it
 def _make_backend_class():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -108,7 +130,8 @@ def _make_backend_class():
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             if not getattr(layer, "farskip_mha", False):
-                return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+                with _padding_fits(forward_batch):
+                    return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
             H = layer.tp_q_head_num
             q = q.view(-1, H, layer.qk_head_dim)  # [T, H*dqk] -> [T, H, dqk]
             new_lens = forward_batch.extend_seq_lens_cpu

@@ -98,7 +98,11 @@ def backend_class():
             _save_kv(self, layer, forward_batch, k, v, save_kv_cache)
             spec = forward_batch.spec_info
             n = spec.draft_token_num
-            bs = forward_batch.batch_size
+            # DP attention pads the batch to the MLP-sync size with requests that have no draft
+            # tree (no mask, a fill length): only the real ones are attended, the padding's rows
+            # stay zero and are dropped. SGLang counts the real tokens before padding.
+            real = forward_batch.global_num_token_non_padded_cpu
+            bs = forward_batch.batch_size if real is None else real // n
             # A chain needs no mask (causal is exact); NGRAM (-1) and EAGLE top-k > 1 trees do.
             tree = None
             if spec.tree_topk != 1 and spec.custom_mask is not None and spec.custom_mask.numel() > 0:
@@ -108,7 +112,7 @@ def backend_class():
             k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
             v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
             table = self.req_to_token_pool.req_to_token
-            out = q.new_empty(q.shape[0], H, layer.v_head_dim)
+            out = q.new_zeros(q.shape[0], H, layer.v_head_dim)
             seq_lens = forward_batch.seq_lens.tolist()
             rows = forward_batch.req_pool_indices.tolist()
             for b in range(bs):

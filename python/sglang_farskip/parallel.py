@@ -163,17 +163,17 @@ class DpRows:
         self.global_len = dpa.get_global_dp_buffer_len()
         self.start, self.count = dpa.get_dp_local_info(forward_batch)
         self.first_of_attn_tp = attn_tp_rank == 0
-        # Under MAX_LEN padding SGLang pads every DP rank's batch to the longest (an idle rank
+        # SGLang pads every DP rank's batch (under MAX_LEN padding to the longest, an idle rank
         # to a fabricated row), and `count` includes the padding, whose attention output is
         # whatever the padded batch computed (NaN and stale rows, seen on CPU). Padding never
         # enters a real row's math, but the native CPU MoE runs one GEMM per expert over the
         # rows routed to it, so a padded row routed by stale values changes the real rows' GEMM
-        # shapes, and their last bits, from run to run. On CPU only the real rows are written,
-        # so padding stays zero and routes the same way every time. On a GPU the device-side
-        # count stays: graph replay updates it, where a host count would be captured as a
-        # constant.
-        real = forward_batch.original_global_num_tokens_cpu
-        self.real_count = None if real is None else real[dpa.dp_slot_in(real)]
+        # shapes, and their last bits, from run to run. On CPU only the real rows are written
+        # (SGLang's own count of them, taken before padding; a verify step's draft tokens
+        # included), so padding stays zero and routes the same way every time. On a GPU the
+        # device-side count stays: graph replay updates it, where a host count would be
+        # captured as a constant.
+        self.real_count = forward_batch.global_num_token_non_padded_cpu
 
     def to_global(self, local: torch.Tensor, *, replicated: bool) -> torch.Tensor:
         """[T_d, H] -> [T_g, H]: `local` in this rank's rows, zero elsewhere. `replicated`:
