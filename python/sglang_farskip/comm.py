@@ -282,15 +282,15 @@ class Communicator:
         prof = self.profiler
         record = prof.on_start(lane, layer) if prof is not None else None
         timing = GpuTiming() if record is not None and tensor.is_cuda else None
-        if self.asynchronous and self.side_stream is not None:
-            event = self.side_stream.start(tensor, timing)
-            handle = Handle(tensor, event=event, record=record, profiler=prof, timing=timing)
-            return handle.join() if self.wait_at_launch else handle
         if self.asynchronous:
-            work = self._thread.start(tensor)
-            if record is not None:
-                prof.track(record, work)
-            handle = Handle(tensor, work=work, record=record, profiler=prof)
+            if self.side_stream is not None:
+                event = self.side_stream.start(tensor, timing)
+                handle = Handle(tensor, event=event, record=record, profiler=prof, timing=timing)
+            else:
+                work = self._thread.start(tensor)
+                if record is not None:
+                    prof.track(record, work)
+                handle = Handle(tensor, work=work, record=record, profiler=prof)
             return handle.join() if self.wait_at_launch else handle
         if timing is not None:
             timing.start.record()
