@@ -10,7 +10,10 @@
   sum is still in flight, and CUDA refuses a wait in the next segment); on a GPU the profiler
   is refused while graphs could replay (its timings are CUDA events recorded by Python, which a
   replay does not run);
-- bench/device_check.py imports without a GPU, and its CPU-checkable parts are right.
+- bench/device_check.py imports without a GPU, and its CPU-checkable parts are right: the
+  server item's checkpoint, workload and variants, and its scoring against reference.py run on
+  two real CPU servers, one with the broken-lane control (--farskip-test-drop-partial), which
+  the scoring must catch.
 
 Launcher checks run SGLang's real argument resolution; one subprocess imports SGLang once and
 tries every case, because each import costs ~20 s here.
@@ -152,23 +155,30 @@ def device_check():
 
 
 def test_device_check_checkpoint_is_a_valid_farskip_v3(device_check, tmp_path):
-    from sglang_farskip.launch_server import check_farskip, read_checkpoint_config
+    from sglang_farskip.launch_server import check_farskip
 
-    path = device_check.write_checkpoint(tmp_path / "v3")
-    config = read_checkpoint_config(str(path))
-    farskip = check_farskip(config, str(path))
+    config = device_check.server_model_config()
+    farskip = check_farskip(config, "server item")
     assert farskip.converted_layers(config["num_hidden_layers"]) == [0, 1, 2]
-    # DeepSeek-V3's own shapes (its config.json), which the items' timings and memory are
-    # about: a shrunken model would pass every item and say nothing about the real one.
+    # DeepSeek-V3's own widths (its config.json), which the items' timings and memory are
+    # about: a shrunken model would pass every item and say nothing about the real one. Fewer
+    # experts (16, still top-8 over 8 groups of which 4 are kept) and vocabulary entries only
+    # make the checkpoint writable in minutes.
     v3 = {"hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
           "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
           "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-          "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
-          "first_k_dense_replace": 1, "vocab_size": 129280}
+          "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 1}
     assert {k: config[k] for k in v3} == v3
+    assert config["n_routed_experts"] == 16 and config["n_routed_experts"] // config["n_group"] >= 2
+    # Unit scale: a 7168-wide N(0, 1/7168) projection keeps unit activations unit.
+    assert config["initializer_range"] == pytest.approx(7168 ** -0.5)
+    # The longest prompt (4096 + 64 + 8 new) is within the YaRN range.
+    longest = max(len(p) + new for _, prompts, new in device_check.workload() for p in prompts)
+    rope = config["rope_parameters"]
+    assert longest <= rope["factor"] * rope["original_max_position_embeddings"] <= config["max_position_embeddings"]
     # The memory and priority items build their messages from HIDDEN in bfloat16; the server
     # item's model must send the same, or the memory item measures a size serving never sends.
-    assert device_check.HIDDEN == config["hidden_size"] and config["torch_dtype"] == "bfloat16"
+    assert device_check.HIDDEN == config["hidden_size"] and config["dtype"] == "bfloat16"
 
 
 def test_device_check_workload_covers_the_issue_cases(device_check):
@@ -178,6 +188,7 @@ def test_device_check_workload_covers_the_issue_cases(device_check):
     prefix = cases["prefix>chunk"][0][0]
     assert prefix[:4096] == long_prompt and len(long_prompt) > device_check.CHUNK
     assert [len(cases[f"decode-bs{b}"][0]) for b in (1, 3, 64)] == [1, 3, 64]
+    assert max(t for prompts, _ in cases.values() for p in prompts for t in p) < device_check.SERVER_MODEL["vocab_size"]
     # Only "prefix>chunk" may find a cached prefix: any other prompt sharing a start with an
     # earlier one would be served as an extend, not the prefill or decode its case names.
     def common_start(a, b):
@@ -199,33 +210,31 @@ def test_device_check_servers_force_the_side_stream_except_sync(device_check):
 
     for variant in device_check.SERVER_VARIANTS:
         argv = device_check.server_argv("/m", variant, 1234)
-        forced = "--farskip-test-force-side-stream" in argv
-        assert forced == (variant != "sync")
-        if forced:
-            assert "--farskip-gpu-overlap" in argv
-            own, _ = _split_own_flags(argv)
-            assert own.farskip_test_force_side_stream and own.farskip_gpu_overlap
-    assert ("overlap", "sync", 0.0) in device_check.SERVER_CHECKS
-    assert ("blocking", "overlap", 0.0) in device_check.SERVER_CHECKS
-    own, _ = _split_own_flags(device_check.server_argv("/m", "blocking", 1234))
-    assert own.farskip_mode == "blocking"
+        own, _ = _split_own_flags(argv)
+        assert own.farskip_test_force_side_stream == (not variant.startswith("sync"))
+        assert own.farskip_gpu_overlap == own.farskip_test_force_side_stream
+        # only the control is broken
+        assert (own.farskip_test_drop_partial is not None) == (variant == device_check.BROKEN)
+    assert ("overlap", "sync") in device_check.BITWISE and ("blocking", "overlap") in device_check.BITWISE
+    assert _split_own_flags(device_check.server_argv("/m", "blocking", 1234))[0].farskip_mode == "blocking"
+    baseline, _ = _split_own_flags(device_check.server_argv("/m", device_check.BASELINE, 1234))
+    assert baseline.farskip_mode == "sync" and "--disable-cuda-graph" in device_check.SERVER_VARIANTS[device_check.BASELINE]
 
 
-def _seq(ids, lps, tops):
-    return {"ids": ids, "logprobs": lps, "top": tops}
+def test_device_check_compare_is_bitwise(device_check):
+    a = {"c": [{"ids": [5, 6], "logprobs": [-1.0, -2.0]}]}
+    assert device_check.compare(a, a) == []
+    assert device_check.compare(a, {"c": [{"ids": [5, 6], "logprobs": [-1.0, -2.0 + 1e-6]}]})
+    assert device_check.compare(a, {"c": [{"ids": [5, 7], "logprobs": [-1.0, -2.0]}]})
 
 
-def test_device_check_compare_is_bitwise_or_tie_aware(device_check):
-    compare = device_check.compare
-    a = {"c": [_seq([5, 6], [-1.0, -2.0], [[(-1.0, 5), (-1.05, 7)], [(-2.0, 6), (-3.0, 9)]])]}
-    assert compare(a, a, 0.0) == []
-    nudged = {"c": [_seq([5, 6], [-1.0, -2.0 + 1e-6], a["c"][0]["top"])]}
-    assert compare(a, nudged, 0.0) and compare(a, nudged, 0.1) == []
-    near_tie = {"c": [_seq([7, 1], [-1.05, -9.0], a["c"][0]["top"])]}  # 7 was 0.05 behind 5
-    assert compare(a, near_tie, 0.1) == []
-    assert compare(a, near_tie, 0.01)  # not within this tolerance
-    wrong = {"c": [_seq([9, 6], [-1.0, -2.0], a["c"][0]["top"])]}  # 9 was not a contender
-    assert compare(a, wrong, 0.1)
+def test_device_check_judge(device_check):
+    tol, problems = device_check.judge({"base": 0.1, "graph": 0.15, "broken": 3.0}, "base", "broken")
+    assert tol == pytest.approx(0.2) and problems == []
+    _, problems = device_check.judge({"base": 0.1, "graph": 0.3, "broken": 3.0}, "base", "broken")
+    assert problems == ["graph: 0.3 from the reference > tolerance 0.2"]
+    tol, problems = device_check.judge({"base": 0.001, "broken": 0.04}, "base", "broken")
+    assert tol == device_check.REF_TOL_FLOOR and "no power" in problems[0]
 
 
 def test_device_check_summary_and_cpu_refusal(device_check):
@@ -234,3 +243,43 @@ def test_device_check_summary_and_cpu_refusal(device_check):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "device_check.py"), "--items", "memory"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "error: no CUDA/HIP device" in proc.stderr
+
+
+def test_drop_partial_is_validated():
+    from sglang_farskip.config import FarSkipConfigError
+    from sglang_farskip.options import RuntimeOptions
+
+    assert RuntimeOptions(drop_partial="routed:3").dropped_collective() == ("routed", 3)
+    assert RuntimeOptions().dropped_collective() is None
+    for bad in ("attn", "shared:1", "routed:x", "routed:-1"):
+        with pytest.raises(FarSkipConfigError, match="LANE:LAYER with LANE one of attn, attn\\+shared, routed"):
+            RuntimeOptions(drop_partial=bad)
+
+
+def test_device_check_scoring_sees_the_broken_lane(device_check):
+    """The server item's scoring, end to end on CPU: two real float32 servers of the demo model
+    (overlap, and overlap with layer 1's attention + shared sum dropped), their outputs scored
+    against reference.py by device_check's own functions. The clean server is its own baseline:
+    float32 on both sides puts it within parity's 1e-4, so the tolerance is the floor, and the
+    dropped sum must land far outside it."""
+    import random
+
+    from sglang_farskip.reference import load_reference
+
+    from parity import FLOAT32, ONE_THREAD
+    from serverutil import side_by_side
+
+    ckpt = str(ensure_demo_checkpoint())
+    rng = random.Random(1)
+    cases = [("prefill", [[0] + [rng.randrange(2, 4096) for _ in range(30)]], 4),
+             ("decode-bs2", [[rng.randrange(2, 4096) for _ in range(6)] for _ in range(2)], 8)]
+    runs = {"clean": [], "broken": ["--farskip-test-drop-partial", device_check.BROKEN_LANE]}
+    with side_by_side({name: {"args": ["--model-path", ckpt, *FLOAT32, *extra], "env": ONE_THREAD}
+                       for name, extra in runs.items()}) as servers:
+        outputs = {name: device_check.run_workload(s.url, cases) for name, s in servers.items()}
+        assert "sums zeros" in servers["broken"].log_tail(400)
+    model = load_reference(ckpt)
+    errors = {name: device_check.reference_error(out, model, cases) for name, out in outputs.items()}
+    assert errors["clean"] < 1e-4, errors
+    tol, problems = device_check.judge(errors, "clean", "broken")
+    assert problems == [] and errors["broken"] > 10 * tol, errors

@@ -244,8 +244,11 @@ class Communicator:
     """
 
     def __init__(self, group, *, asynchronous: bool, side_stream: Optional[SideStreamAllReduce] = None,
-                 wait_at_launch: bool = False):
+                 wait_at_launch: bool = False, drop: Optional[tuple[str, int]] = None):
         self.group = group
+        # Test only: the (lane, layer) collective that sums zeros instead of this rank's
+        # partial, a broken lane for checks to prove they can see one.
+        self.drop = drop
         # `blocking` mode: the asynchronous backend, joined inside start_all_reduce, so that an
         # A/B against overlap changes nothing but where the waits are.
         self.wait_at_launch = wait_at_launch
@@ -279,6 +282,8 @@ class Communicator:
         return "comm-thread" if self.asynchronous else "blocking"
 
     def start_all_reduce(self, tensor: torch.Tensor, *, lane: str = "", layer: int = -1) -> Handle:
+        if self.drop is not None and (lane, layer) == self.drop:
+            tensor = torch.zeros_like(tensor)
         prof = self.profiler
         record = prof.on_start(lane, layer) if prof is not None else None
         timing = GpuTiming() if record is not None and tensor.is_cuda else None

@@ -95,6 +95,8 @@ def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
     # Test only (bench/device_check.py): the GPU side stream even at TP=1, with the fork/join probe.
     parser.add_argument("--farskip-test-force-side-stream", action="store_true", help=argparse.SUPPRESS)
+    # Test only (device_check's broken-lane control): LANE:LAYER sums zeros for one collective.
+    parser.add_argument("--farskip-test-drop-partial", default=None, metavar="LANE:LAYER", help=argparse.SUPPRESS)
     return parser.parse_known_args(argv)
 
 
@@ -329,6 +331,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
             cpu_attention=own.farskip_cpu_attention,
             cpu_start_method=own.farskip_cpu_start_method or "fork",
             force_side_stream=own.farskip_test_force_side_stream,
+            drop_partial=own.farskip_test_drop_partial,
         )
     except FarSkipConfigError as e:
         raise LaunchError(str(e)) from None

@@ -22,6 +22,7 @@ from sglang_farskip.config import FarSkipConfigError, FarSkipMode
 ENV = "SGLANG_FARSKIP_OPTIONS"
 CPU_ATTENTION_CHOICES = ("absorbed", "mha")
 CPU_START_METHODS = ("fork", "spawn")
+LANES = ("attn", "attn+shared", "routed")  # the collectives' lane names (models/deepseek_v3.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,9 @@ class RuntimeOptions:
     cpu_start_method: str = "fork"  # --farskip-cpu-start-method: how SGLang starts its CPU workers
     # Test only (bench/device_check.py): the side stream even at TP=1, with the fork/join probe.
     force_side_stream: bool = False
+    # Test only (bench/device_check.py's broken-lane control): "LANE:LAYER", e.g. "attn+shared:1";
+    # that collective sums zeros instead of this rank's partial, so a check must see it.
+    drop_partial: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", FarSkipMode.parse(self.mode))
@@ -51,9 +55,23 @@ class RuntimeOptions:
             raise FarSkipConfigError(
                 f"--farskip-cpu-start-method {self.cpu_start_method!r}: choose one of {', '.join(CPU_START_METHODS)}"
             )
+        if self.drop_partial is not None:
+            self.dropped_collective()  # raises on a malformed value
         if self.profile_dir is not None and not os.path.isabs(self.profile_dir):
             # Workers may run in another directory than the launcher.
             raise FarSkipConfigError(f"profile directory {self.profile_dir!r} must be an absolute path")
+
+    def dropped_collective(self) -> Optional[tuple[str, int]]:
+        """(lane, layer) of --farskip-test-drop-partial, or None."""
+        if self.drop_partial is None:
+            return None
+        lane, _, layer = str(self.drop_partial).rpartition(":")
+        if lane not in LANES or not layer.isdigit():
+            raise FarSkipConfigError(
+                f"--farskip-test-drop-partial {self.drop_partial!r}: give LANE:LAYER with LANE one of "
+                f"{', '.join(LANES)} and LAYER a layer index, e.g. attn+shared:1"
+            )
+        return lane, int(layer)
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "mode": self.mode.value}, sort_keys=True)

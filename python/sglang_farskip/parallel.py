@@ -102,7 +102,10 @@ def build_communicator(group, options: RuntimeOptions, hidden_size: int, tp_rank
             )
             asynchronous = False
     comm = Communicator(group, asynchronous=asynchronous, side_stream=side_stream,
-                        wait_at_launch=options.mode is FarSkipMode.BLOCKING)
+                        wait_at_launch=options.mode is FarSkipMode.BLOCKING, drop=options.dropped_collective())
+    if comm.drop is not None:
+        logger.warning("test only: collective %s of layer %d sums zeros (--farskip-test-drop-partial): "
+                       "outputs are wrong on purpose", *comm.drop)
     if options.profile_dir:
         comm.profiler = OverlapProfiler(os.path.join(options.profile_dir, f"profile-rank{tp_rank}.json"))
     own = options.mode.own_communicator and (asynchronous or group.world_size == 1)

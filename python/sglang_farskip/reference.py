@@ -309,7 +309,8 @@ class ReferenceModel(nn.Module):
         """input_ids [T] (one sequence, positions 0..T-1) -> logits [T, vocab]."""
         T, fs = input_ids.shape[0], self.farskip
         inv_freq, attn_factor = rope_frequencies(self.args)
-        angles = torch.arange(T, dtype=torch.float32)[:, None] * inv_freq  # [T, rope/2]
+        pos = torch.arange(T, dtype=torch.float32, device=input_ids.device)
+        angles = pos[:, None] * inv_freq.to(input_ids.device)  # [T, rope/2]
         dtype = self.lm_head.weight.dtype
         cos, sin = (angles.cos() * attn_factor).to(dtype), (angles.sin() * attn_factor).to(dtype)
         h = self.model.embed_tokens(input_ids)  # h[-1]
