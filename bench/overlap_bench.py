@@ -330,7 +330,10 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--model-path", default=None, help="default: the built-in demo checkpoint")
+    p.add_argument("--model-path", default=None, help="a checkpoint (default: the built-in one of --model)")
+    p.add_argument("--model", choices=["deepseek-v3", "v3-bench"], default="deepseek-v3",
+                   help="built-in checkpoint: the 4-layer demo, or v3-bench (DeepSeek-V3's proportions, "
+                        "20 layers; demo_model.V3_BENCH)")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--no-profile", action="store_true",
                    help="run without the overlap profiler (timings only, no hidden fraction)")
@@ -349,7 +352,7 @@ def main() -> int:
     if model is None:
         from sglang_farskip.demo_model import ensure_demo_checkpoint
 
-        model = str(ensure_demo_checkpoint())
+        model = str(ensure_demo_checkpoint(kind=args.model))
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="farskip-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")

@@ -406,7 +406,9 @@ class MeasuredOps:
             raise PlanError(f"--ops {self.path}: no {op} rows at tp={tp} (has tp {have or 'none'})")
         by_ctx = self.table[key]
         if op.startswith("attention"):
-            ctxs = sorted(by_ctx)
+            # Only the contexts the interpolation uses are evaluated, so that a far one scaled
+            # in tokens is not reported as extrapolated when it does not count.
+            ctxs = self._bracket(sorted(by_ctx), max(context, 1))
             return self._interp(ctxs, [self._at_context(op, by_ctx[c], tokens) for c in ctxs],
                                 max(context, 1), f"{op} context")
         merged = {t: us for rows in by_ctx.values() for t, us in rows.items()}
@@ -423,6 +425,14 @@ class MeasuredOps:
         if not math.isclose(t0, tokens):
             self.extrapolated.add(f"{op} tokens {tokens:g} (scaled from {t0:g})")
         return us0 * tokens / t0
+
+    @staticmethod
+    def _bracket(xs: list, x: float) -> list:
+        """The one or two points of sorted xs that _interp(xs, ..., x) reads."""
+        if len(xs) <= 1 or any(math.isclose(max(v, 1), x) for v in xs):
+            return [v for v in xs if math.isclose(max(v, 1), x)] or xs
+        i = min(max(bisect.bisect_left([max(v, 1) for v in xs], x), 1), len(xs) - 1)
+        return xs[i - 1:i + 1]
 
     def _interp(self, xs: list, ys: list, x: float, what: str) -> float:
         xs = [max(v, 1) for v in xs]

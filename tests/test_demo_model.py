@@ -226,3 +226,20 @@ def test_ensure_builds_once_under_concurrency(tmp_path, monkeypatch):
     assert not stale.exists()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [results[0].name]
     assert os.access(results[0] / "model.safetensors", os.R_OK)
+
+
+def test_v3_bench_has_deepseek_v3_proportions():
+    """The bench model's ratios must carry over to DeepSeek-V3 (shared/reference's config.json):
+    the dense share of layers, experts per token, and each TP=2 shard a whole number of heads
+    and columns. A demo-shaped bench (1 dense layer of 4, top-2) would not."""
+    from sglang_farskip.demo_model import V3_BENCH, demo_config, kind_overrides
+
+    cfg = demo_config(kind_overrides("v3-bench"))
+    v3 = {"num_hidden_layers": 61, "first_k_dense_replace": 3, "num_experts_per_tok": 8}
+    dense_share = cfg["first_k_dense_replace"] / cfg["num_hidden_layers"]
+    assert abs(dense_share - v3["first_k_dense_replace"] / v3["num_hidden_layers"]) < 0.01
+    assert cfg["num_experts_per_tok"] == v3["num_experts_per_tok"]
+    assert cfg["n_routed_experts"] // cfg["n_group"] >= 2 and cfg["topk_group"] < cfg["n_group"]
+    for key in ("num_attention_heads", "moe_intermediate_size", "intermediate_size"):
+        assert cfg[key] % 2 == 0, key
+    assert {k: cfg[k] for k in V3_BENCH} == V3_BENCH

@@ -130,7 +130,31 @@ INSTELLA_TINY = dict(
     auto_map={"AutoConfig": "configuration_instella_moe.InstellaMoEConfig"},
     num_nextn_predict_layers=0,  # the released checkpoint has no MTP layer
 )
-KINDS = ("deepseek-v3", "instella")
+# DeepSeek-V3's proportions at hidden 256 (1/28 of 7168), for benchmarks whose ratios should
+# mean something for the real model: one dense layer of 20 (3 of 61), 8 experts per token of
+# width 64 (2048/28 is 73; 64 keeps every TP shard a multiple of 32), a dense MLP of 640
+# (18432/28 is 658), 8 heads whose query and output widths are 3H and 2H (3.4H and 2.3H in
+# DeepSeek-V3). Communication per layer is the demo's (the same hidden size); compute is about
+# twice the demo's, and there are five times the layers.
+V3_BENCH = dict(
+    num_hidden_layers=20,
+    first_k_dense_replace=1,
+    n_routed_experts=32,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    moe_intermediate_size=64,
+    intermediate_size=640,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    num_nextn_predict_layers=0,
+)
+KINDS = ("deepseek-v3", "instella", "v3-bench")
 
 _REMOTE_CONFIG = '''"""Config class for the tiny Instella-MoE demo checkpoint (sglang-farskip). Like the
 released checkpoint's own class it is transformers' DeepSeek-V3 config plus the FarSkip and
@@ -323,7 +347,7 @@ def demo_config(overrides: dict | None = None, farskip: FarSkipConfig | None = N
 def kind_overrides(kind: str) -> dict:
     if kind not in KINDS:
         raise ValueError(f"unknown demo model {kind!r}: choose one of {', '.join(KINDS)}")
-    return dict(INSTELLA_TINY) if kind == "instella" else {}
+    return {"instella": dict(INSTELLA_TINY), "v3-bench": dict(V3_BENCH)}.get(kind, {})
 
 
 @contextlib.contextmanager
@@ -536,7 +560,7 @@ def demo_checkpoint_name(seed: int = 0, kind: str = "deepseek-v3") -> str:
     and the config, so a changed builder builds afresh instead of reusing stale files."""
     cfg = demo_config(kind_overrides(kind), FarSkipConfig(enabled=True))
     key = json.dumps({"builder": BUILDER_VERSION, "seed": seed, "config": cfg}, sort_keys=True)
-    stem = "tiny-instella" if kind == "instella" else "tiny-dsv3"
+    stem = {"instella": "tiny-instella", "v3-bench": "bench-dsv3"}.get(kind, "tiny-dsv3")
     return f"{stem}-farskip-s{seed}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
