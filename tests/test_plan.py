@@ -312,3 +312,33 @@ def test_sync_f_calibration_hits_the_measured_share():
     sync = q.runs["sync"]
     assert sync.exposed_us / sync.step_us == pytest.approx(0.4)
     assert p_ops.measured is False
+
+
+def test_testbed_ops_file_feeds_the_planner(tmp_path):
+    """bench/plan_testbed.py (torch, in a subprocess: this file stays torch-free) times the
+    bench model's ops and writes an --ops file that plan.py reads for that model: every op of
+    both phases measured, nothing extrapolated at the sizes it timed."""
+    import subprocess
+
+    from sglang_farskip.demo_model import V3_BENCH, demo_config, kind_overrides
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(demo_config(kind_overrides("v3-bench")), farskip=True)))
+    ops = tmp_path / "ops.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "plan_testbed.py"), "--config", str(cfg),
+                           "--out", str(ops), "--prefill", "32,64", "--decode", "4,8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(ops.read_text())
+    assert {r["op"] for r in doc["per_op_us"]} == {"attention_prefill", "attention_decode", "shared_experts",
+                                                  "routed_experts", "dense_mlp", "norm_add"}
+    assert all(r["us"] >= 1.0 and r["tp"] == 2 for r in doc["per_op_us"])
+    for phase in (["--prefill", "64"], ["--decode", "8", "--context", "24"]):
+        out = subprocess.run([sys.executable, str(REPO / "bench" / "plan.py"), "--model", str(cfg), "--tp", "2",
+                              "--ops", str(ops), "--link-mbit", "200", *phase],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        # one sum for the dense layer, two per MoE layer; the dense one and the last AR(r) have no window
+        n = 2 * V3_BENCH["num_hidden_layers"] - 1
+        assert f"{n - 2} of {n} collectives" in out.stdout
+        assert "extrapolated" not in out.stdout + out.stderr
