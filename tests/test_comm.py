@@ -139,6 +139,50 @@ def test_exception_mid_forward_leaves_no_collective_running():
         assert r["next"] == [21.0] * 8, r  # 10 + 11: the next sum is the right one
 
 
+PEER_TIMEOUT_S = 3  # the lost-peer test's collective timeout: short, so the test takes seconds
+
+
+def _lost_peer_worker(rank: int, port: int, results) -> None:
+    """Rank 1 joins the group and then never enters a collective (a node gone, a link cut).
+    Rank 0 queues three sums on the comm thread: the first waits out the group's timeout, and
+    the two behind it must fail at once (gloo closes the pair on a timeout) instead of each
+    waiting it out again, so that drain() after the forward's exception returns after one
+    timeout, not three, and the server exits with the first error."""
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=PEER_TIMEOUT_S))
+    if rank == 1:
+        time.sleep(4 * PEER_TIMEOUT_S)  # alive (no connection reset) but silent
+        return
+    comm = Communicator(TorchGroup(dist.group.WORLD), asynchronous=True)
+    t0 = time.monotonic()
+    handles = [comm.start_all_reduce(torch.ones(1024), lane="routed", layer=i) for i in range(3)]
+    errors = []
+    try:
+        handles[0].wait()
+    except RuntimeError as e:
+        errors.append(str(e))
+        comm.drain()
+    drained_s = time.monotonic() - t0
+    for h in handles[1:]:
+        try:
+            h.wait()
+        except RuntimeError as e:
+            errors.append(str(e))
+    results[rank] = {"errors": errors, "drained_s": drained_s, "in_flight": comm.in_flight()}
+
+
+def test_a_failed_collective_fails_the_queued_ones_at_once():
+    results = mp.Manager().dict()
+    mp.spawn(_lost_peer_worker, args=(free_port(), results), nprocs=2, join=True)
+    r = results[0]
+    assert len(r["errors"]) == 3 and not r["in_flight"], r
+    assert "Timed out" in r["errors"][0], r
+    # One timeout, with room for a slow start; three would be 3 x PEER_TIMEOUT_S.
+    assert r["drained_s"] < 2 * PEER_TIMEOUT_S, r
+
+
 def test_join_then_wait_returns_the_sum_once():
     class One:
         world_size = 1
