@@ -49,7 +49,8 @@ esac
 : "${HTTP_PORT:=30000}"
 # Anyone who reaches HTTP_PORT can use the API unless a key is set; see the check below.
 : "${FARSKIP_ALLOW_NO_API_KEY:=0}"
-# Bounds every collective, including the rendezvous: a peer that never arrives, dies or loses
+# Bounds every collective, including the rendezvous and SGLang's own gloo CPU groups (which
+# upstream leaves at 2 h; sglang_farskip/peers.py): a peer that never arrives, dies or loses
 # its link makes the other node fail after about this long instead of hanging (torch's own
 # defaults: 10 min for NCCL, 30 min for gloo). Not shorter, because it must also cover the
 # start-up skew between the nodes: node 1 started by hand after node 0, and first-use kernel

@@ -12,12 +12,24 @@ The hook gives the REP socket the same bound as the collectives (`--dist-timeout
 default when unset) through the controller's ZMQ context, whose default options apply to
 sockets created while they are set. The timeout then surfaces as upstream's own start failure
 (the controller logs it and signals the launcher, which stops every process and exits non-zero).
+
+The second wait is in every scheduler, while serving. SGLang gives the gloo CPU group of each
+of its process groups a fixed 120-minute timeout, whatever `--dist-timeout` says
+(`GroupCoordinator.__init__`'s `gloo_timeout`, sglang/srt/distributed/parallel_state.py:308,
+which no caller passes). Rank 0 broadcasts the new requests on that group at every step, and a
+gloo send is a rendezvous: the data leaves only once the peer has posted its receive. A link
+cut at that moment left node 0 blocked for two hours, ended only by the deployment's watchdog;
+a cut anywhere else timed out after `--dist-timeout`. The hook gives the CPU groups the
+timeout SGLang already gives the device groups (`_MODEL_PARALLEL_GROUP_TIMEOUT`, set from
+`--dist-timeout`), and changes nothing when `--dist-timeout` is unset. SGLang's wait for a rank
+that loads its weights late has its own bound (`monitored_barrier`, 480 s) and keeps it.
 """
 
 from __future__ import annotations
 
 _TARGET = ("sglang.srt.managers.data_parallel_controller."
            "DataParallelController._broadcast_ports_as_server")
+_GROUPS = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
 
 
 def _wait_bound_s() -> float:
@@ -48,7 +60,18 @@ def _bounded_port_broadcast(original, controller, endpoint, expected_clients, *a
         controller.context.setsockopt(zmq.RCVTIMEO, -1)
 
 
+def _cpu_group_bounded_by_dist_timeout(original, coordinator, *args, **kwargs):
+    """AROUND hook: upstream's group set-up, its gloo CPU group under `--dist-timeout` too."""
+    from sglang.srt.distributed import parallel_state
+
+    timeout = parallel_state._MODEL_PARALLEL_GROUP_TIMEOUT  # a timedelta, or None when unset
+    if timeout is not None and "gloo_timeout" not in kwargs:
+        kwargs["gloo_timeout"] = timeout
+    return original(coordinator, *args, **kwargs)
+
+
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(_TARGET, _bounded_port_broadcast, HookType.AROUND)
+    HookRegistry.register(_GROUPS, _cpu_group_bounded_by_dist_timeout, HookType.AROUND)

@@ -10,7 +10,7 @@ forked one (on CPU, cpu_support.py) inherits them, and SGLang does not load plug
    layout (SGLang recognises MLA from a hard-coded list of architecture names);
 4. hooks SGLang's redaction so that the API keys never reach a log, a crash dump or an HTTP
    answer (redact.py);
-5. bounds the one wait for peer nodes that upstream leaves unbounded (peers.py).
+5. bounds the waits for peer nodes that upstream leaves unbounded or at two hours (peers.py).
 
 The class is upstream's whenever config.json says `"farskip": false`, so plain DeepSeek-V3
 checkpoints are served exactly as stock SGLang serves them.
