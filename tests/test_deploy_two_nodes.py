@@ -317,6 +317,10 @@ def test_link_cut_while_serving(link, model, log_dir):
             request.kill()
         dep.kill()
     assert result["error"] and not result["done"] and not result["client_timeout"], result
+    # Wherever node 0 waits at the cut, DIST_TIMEOUT bounds it: SGLang's CPU groups too (peers.py;
+    # a cut while node 0 broadcast a step's requests waited for upstream's 2 h, ended only by
+    # the watchdog, in 1 of 5 busy runs).
+    assert_log(dep.node0, rf"gloo CPU groups wait at most {SERVE_TIMEOUT} s")
     line = assert_log(dep.node0, r"timed out", mark)
     print(f"\nlink cut (ready in {ready_s:.0f} s): node 0 exited rc={rc} after {exit_s:.1f} s, node 1 "
           f"rc={node1_rc}; client ended after {request.ended - cut:.1f} s with {result['error']!r}; "

@@ -27,9 +27,14 @@ that loads its weights late has its own bound (`monitored_barrier`, 480 s) and k
 
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger("sglang_farskip.peers")
+
 _TARGET = ("sglang.srt.managers.data_parallel_controller."
            "DataParallelController._broadcast_ports_as_server")
 _GROUPS = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
+_bound_logged = False  # per process: its first group logs the bound
 
 
 def _wait_bound_s() -> float:
@@ -64,9 +69,14 @@ def _cpu_group_bounded_by_dist_timeout(original, coordinator, *args, **kwargs):
     """AROUND hook: upstream's group set-up, its gloo CPU group under `--dist-timeout` too."""
     from sglang.srt.distributed import parallel_state
 
+    global _bound_logged
     timeout = parallel_state._MODEL_PARALLEL_GROUP_TIMEOUT  # a timedelta, or None when unset
     if timeout is not None and "gloo_timeout" not in kwargs:
         kwargs["gloo_timeout"] = timeout
+        if not _bound_logged:
+            _bound_logged = True
+            logger.info("sglang_farskip: SGLang's gloo CPU groups wait at most %.0f s for a peer "
+                        "(--dist-timeout)", timeout.total_seconds())
     return original(coordinator, *args, **kwargs)
 
 
