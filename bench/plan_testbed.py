@@ -1,8 +1,8 @@
-"""Per-op times of the CPU testbed, in bench/plan.py's --ops schema, and the planner's prediction
+"""Per-op times of the CPU testbed, in python/sglang_farskip/plan.py's --ops schema, and the planner's prediction
 of bench/overlap_bench.py's overlap/sync ratios from them.
 
     .venv/bin/python bench/plan_testbed.py --out testbed_ops.json [--tp 2] [--threads 1]
-    .venv/bin/python bench/plan.py --model <demo config.json> --tp 2 --ops testbed_ops.json \
+    .venv/bin/python -m sglang_farskip.plan --model <demo config.json> --tp 2 --ops testbed_ops.json \
         --prefill 512 --link-mbit 200 --overhead-us <measured>
 
 What is timed: reference.py's own modules (MLA, shared/routed MoE, dense MLP, RMSNorm + add) at
@@ -12,7 +12,7 @@ thread per rank (the testbed gives each of its two ranks one core). overlap_benc
 prefill of one 512-token prompt; decode of 32 sequences with a few dozen tokens of context.
 
 What is not: SGLang's own CPU kernels and its per-step host work (scheduler, sampling, HTTP),
-which on this testbed are most of a step. bench/plan.py takes those as --overhead-us (the same
+which on this testbed are most of a step. python/sglang_farskip/plan.py takes those as --overhead-us (the same
 in every mode, never overlapped): docs/planner.md says how to read it off a sync run.
 
 --contention-probe (root: it builds overlap_bench.py's shaped veth link) measures plan.py's

@@ -1,9 +1,8 @@
-"""bench/plan.py: the schedule it replays, the cluster tables it reads, the bounds it must obey,
+"""sglang_farskip.plan (python -m sglang_farskip.plan): the schedule it replays, the cluster tables it reads, the bounds it must obey,
 and the figures of shared/notes/perf-model.md it must reproduce. Pure Python, no torch."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -11,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from sglang_farskip import plan
+
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("plan", REPO / "bench" / "plan.py")
-plan = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("plan", plan)  # dataclasses look their module up by name
-_spec.loader.exec_module(plan)
 
 DSV3 = plan.load_shape("deepseek-v3")
 
@@ -334,7 +331,7 @@ def test_testbed_ops_file_feeds_the_planner(tmp_path):
                                                   "routed_experts", "dense_mlp", "norm_add"}
     assert all(r["us"] >= 1.0 and r["tp"] == 2 for r in doc["per_op_us"])
     for phase in (["--prefill", "64"], ["--decode", "8", "--context", "24"]):
-        out = subprocess.run([sys.executable, str(REPO / "bench" / "plan.py"), "--model", str(cfg), "--tp", "2",
+        out = subprocess.run([sys.executable, "-m", "sglang_farskip.plan", "--model", str(cfg), "--tp", "2",
                               "--ops", str(ops), "--link-mbit", "200", *phase],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]

@@ -1,9 +1,9 @@
 """FarSkip planner: what FarSkip-Collective's overlap buys on a given cluster, before running it.
 
-    python bench/plan.py --model deepseek-v3 --tp 16 --decode 1,64,256 --cluster amd-good
-    python bench/plan.py --model config.json --tp 8 --prefill 2048 --batch 32 --cluster my_allreduce.txt
-    python bench/plan.py --paper
-    python bench/plan.py --list
+    python -m sglang_farskip.plan --model deepseek-v3 --tp 16 --decode 1,64,256 --cluster amd-good
+    python -m sglang_farskip.plan --model config.json --tp 8 --prefill 2048 --batch 32 --cluster my_allreduce.txt
+    python -m sglang_farskip.plan --paper
+    python -m sglang_farskip.plan --list
 
 It predicts the step time of three runs of the same model on the same layout: `stock` (the
 DeepSeek-V3 wiring, every all-reduce blocking), `sync` (the FarSkip wiring with blocking
@@ -48,9 +48,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
-from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, is_moe_layer  # noqa: E402
+from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, is_moe_layer
 
 BF16 = 2  # bytes per element of every partial sum the collectives carry
 
