@@ -78,7 +78,7 @@ sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "bench"))
 from overlap_bench import free_port  # noqa: E402
 
-from sglang_farskip.launch_server import wait_healthy  # noqa: E402
+from sglang_farskip.serve.launcher import wait_healthy  # noqa: E402
 
 HIDDEN = 7168
 CHUNK = 2048  # --chunked-prefill-size of the servers: the 4096-token prompt is two chunks
@@ -117,7 +117,7 @@ SEED = 0
 def server_model_config() -> dict:
     """The config.json keys the server item's checkpoint gets (before transformers' defaults)."""
     from sglang_farskip.config import FarSkipConfig
-    from sglang_farskip.demo_model import demo_config
+    from sglang_farskip.tools.demo_model import demo_config
 
     return demo_config(SERVER_MODEL, FarSkipConfig(enabled=True))
 
@@ -125,7 +125,7 @@ def server_model_config() -> dict:
 def write_checkpoint(path: Path) -> Path:
     """The server item's FarSkip checkpoint (every layer converted), float32 on disk, served bf16;
     reused when `path` already holds a whole build (--keep)."""
-    from sglang_farskip.demo_model import BUILD_INFO, build_checkpoint
+    from sglang_farskip.tools.demo_model import BUILD_INFO, build_checkpoint
 
     if (path / BUILD_INFO).exists():
         return path
@@ -218,7 +218,7 @@ BITWISE = [("overlap", "sync"), ("blocking", "overlap")]
 
 
 def server_argv(model_path: str, variant: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "sglang_farskip.launch_server", "--model-path", model_path,
+    return [sys.executable, "-m", "sglang_farskip.serve.launcher", "--model-path", model_path,
             "--port", str(port), *SERVER_COMMON, *SERVER_VARIANTS[variant]]
 
 

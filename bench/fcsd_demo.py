@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from sglang_farskip.demo_model import _CHAT_TEMPLATE, BOS_TOKEN, EOS_TOKEN, demo_config  # noqa: E402
+from sglang_farskip.tools.demo_model import _CHAT_TEMPLATE, BOS_TOKEN, EOS_TOKEN, demo_config  # noqa: E402
 
 SEQ = 256
 BATCH = 8  # windows per step: 2048 tokens

@@ -16,7 +16,7 @@ same weights:
            graphs are off and SGLang's chunked-prefix threshold and chunk capacity are lowered to
            256 (its own environment variables), so each backend's MHA prefill path runs (the
            cached 600 in three chunks where the backend chunks), not only absorbed MLA. Which
-           method ran is counted only on CPU (see cpu_mha.py); on GPU it follows upstream's
+           method ran is counted only on CPU (see cpu/attention.py); on GPU it follows upstream's
            rules (docs/attention-paths.md);
   decode   16 greedy tokens at batch 1 and 3; the reference scores the server's own tokens
            (teacher forcing), so a bf16 near-tie that flips a token is not a failure.
@@ -53,7 +53,7 @@ SMALL_REST = dict(num_hidden_layers=2, intermediate_size=1024, moe_intermediate_
 
 
 def build(path: Path) -> Path:
-    from sglang_farskip.demo_model import build_checkpoint, kind_overrides
+    from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides
 
     overrides = {**kind_overrides("instella"), **ATTENTION_SHAPES, **SMALL_REST}
     return build_checkpoint(path, seed=0, overrides=overrides)

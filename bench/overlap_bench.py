@@ -161,12 +161,12 @@ class Deployment:
             common += ["--farskip-profile-dir", str(profile_dir)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         if link == "loopback":
-            self._spawn([PY, "-m", "sglang_farskip.launch_server", "--host", "127.0.0.1",
+            self._spawn([PY, "-m", "sglang_farskip.serve.launcher", "--host", "127.0.0.1",
                          "--port", str(self.port), *common], env, log_dir / f"{mode}.log")
             return
         init = f"{ADDR[0]}:{free_port()}"
         for rank in (0, 1):
-            node = [PY, "-m", "sglang_farskip.launch_server", "--host", "127.0.0.1",
+            node = [PY, "-m", "sglang_farskip.serve.launcher", "--host", "127.0.0.1",
                     "--port", str(self.port), "--nnodes", "2", "--node-rank", str(rank),
                     "--dist-init-addr", init, "--dist-timeout", "120", *common]
             # Each node: its own netns and its own /dev/shm (SGLang probes shared memory to
@@ -350,7 +350,7 @@ def main() -> int:
 
     model = args.model_path
     if model is None:
-        from sglang_farskip.demo_model import ensure_demo_checkpoint
+        from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
 
         model = str(ensure_demo_checkpoint(kind=args.model))
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="farskip-bench-"))

@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     if args.config:
         cfg = json.loads(Path(args.config).read_text())
     else:
-        from sglang_farskip.demo_model import TINY
+        from sglang_farskip.tools.demo_model import TINY
         cfg = dict(TINY)
     sizes = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     if args.contention_worker is not None:

@@ -62,7 +62,7 @@ def parse_args(argv):
 
 def prepare_checkpoint(out: Path, draft: str) -> Path:
     """The demo with an MTP layer under `out` (built once, reused by later runs there)."""
-    from sglang_farskip.demo_model import build_checkpoint, predictable_mtp
+    from sglang_farskip.tools.demo_model import build_checkpoint, predictable_mtp
 
     base = out / "ckpt-demo"
     if not base.exists():
@@ -74,7 +74,7 @@ def prepare_checkpoint(out: Path, draft: str) -> Path:
 
 
 def start(label: str, flags: list[str], port: int, model: Path, tp: int, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sglang_farskip.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "sglang_farskip.serve.launcher", "--model-path", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--tp", str(tp), "--enable-metrics", "--sleep-on-idle", *flags]
     log = open(out / f"server-{label}.log", "w")
     print(f"starting {label}: {' '.join(cmd[1:])}", file=sys.stderr)

@@ -50,7 +50,7 @@ esac
 # Anyone who reaches HTTP_PORT can use the API unless a key is set; see the check below.
 : "${FARSKIP_ALLOW_NO_API_KEY:=0}"
 # Bounds every collective, including the rendezvous and SGLang's own gloo CPU groups (which
-# upstream leaves at 2 h; sglang_farskip/peers.py): a peer that never arrives, dies or loses
+# upstream leaves at 2 h; sglang_farskip/serve/timeouts.py): a peer that never arrives, dies or loses
 # its link makes the other node fail after about this long instead of hanging (torch's own
 # defaults: 10 min for NCCL, 30 min for gloo). Not shorter, because it must also cover the
 # start-up skew between the nodes: node 1 started by hand after node 0, and first-use kernel
@@ -68,7 +68,7 @@ esac
 # side-stream all-reduce gets a queue of its own instead of waiting behind compute.
 : "${GPU_MAX_HW_QUEUES:=8}"
 : "${FARSKIP_PYTHON:=python3}"
-# The watchdog (python/sglang_farskip/watchdog.py) checks node 0's /health_generate from every
+# The watchdog (python/sglang_farskip/serve/watchdog.py) checks node 0's /health_generate from every
 # node, once the server has answered the first time, and ends the server after
 # WATCHDOG_FAILURES failed checks in a row: a hung rank on either node then restarts both
 # nodes instead of leaving them up and useless. Detection takes up to about
@@ -369,7 +369,7 @@ else
 fi
 health_url="http://$health_host:$HTTP_PORT/health_generate"
 if [[ "$WATCHDOG" == 1 ]]; then
-  cmd=("$FARSKIP_PYTHON" -m sglang_farskip.watchdog --url "$health_url"
+  cmd=("$FARSKIP_PYTHON" -m sglang_farskip.serve.watchdog --url "$health_url"
     --interval "$WATCHDOG_INTERVAL" --timeout "$WATCHDOG_TIMEOUT" --failures "$WATCHDOG_FAILURES"
     --start-timeout "$WATCHDOG_START_TIMEOUT" -- "${cmd[@]}")
 fi

@@ -42,7 +42,7 @@ fi
 # already has in the builds it was tested with; a resolver run could replace them.
 "${pip[@]}" --no-deps "$src"
 # The same command as every other install (scripts/bootstrap.sh, CI): patches SGLang in place.
-"$python" -m sglang_farskip.patches apply
+"$python" -m sglang_farskip.tools.patches apply
 
 torch_after="$("$python" -c 'import torch; print(torch.__version__)')"
 if [[ "$torch_after" != "$torch_before" ]]; then

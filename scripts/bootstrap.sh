@@ -67,7 +67,7 @@ site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 echo "$root/python/cpu_shim" > "$site/zz_sglang_farskip_cpu_shim.pth"
 
 # Edits to SGLang that no plugin can make (patches/README.md); fails loudly if one is stale.
-"$venv/bin/python" -m sglang_farskip.patches apply >&2
+"$venv/bin/python" -m sglang_farskip.tools.patches apply >&2
 
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md, sys

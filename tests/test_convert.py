@@ -1,4 +1,4 @@
-"""`python -m sglang_farskip.convert`: success, and one clear error (exit 2, nothing written) per
+"""`python -m sglang_farskip.tools.convert`: success, and one clear error (exit 2, nothing written) per
 bad input."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sglang_farskip.config import FarSkipConfig
-from sglang_farskip.convert import main
-from sglang_farskip.demo_model import build_checkpoint
+from sglang_farskip.tools.convert import main
+from sglang_farskip.tools.demo_model import build_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def src(tmp_path_factory) -> Path:
 
 def convert(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sglang_farskip.convert", *map(str, args)],
+        [sys.executable, "-m", "sglang_farskip.tools.convert", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=60,

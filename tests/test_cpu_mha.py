@@ -26,9 +26,9 @@ import random
 import pytest
 import torch
 
-from sglang_farskip import convert
-from sglang_farskip.cpu_mha import attend, merge_state_cpu
-from sglang_farskip.demo_model import build_checkpoint, kind_overrides
+from sglang_farskip.tools import convert
+from sglang_farskip.cpu.attention import attend, merge_state_cpu
+from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides
 from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, LOGPROB_ATOL, ONE_THREAD

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from sglang_farskip.cpu_support import cpu_environment
+from sglang_farskip.cpu.environment import cpu_environment
 
 
 def test_stand_in_imports_but_every_call_raises():

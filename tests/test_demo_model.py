@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from sglang_farskip import demo_model
+from sglang_farskip.tools import demo_model
 from sglang_farskip.config import FarSkipConfig, is_moe_layer
-from sglang_farskip.demo_model import (
+from sglang_farskip.tools.demo_model import (
     BOS_TOKEN,
     EOS_TOKEN,
     build_checkpoint,
@@ -232,7 +232,7 @@ def test_v3_bench_has_deepseek_v3_proportions():
     """The bench model's ratios must carry over to DeepSeek-V3 (shared/reference's config.json):
     the dense share of layers, experts per token, and each TP=2 shard a whole number of heads
     and columns. A demo-shaped bench (1 dense layer of 4, top-2) would not."""
-    from sglang_farskip.demo_model import V3_BENCH, demo_config, kind_overrides
+    from sglang_farskip.tools.demo_model import V3_BENCH, demo_config, kind_overrides
 
     cfg = demo_config(kind_overrides("v3-bench"))
     v3 = {"num_hidden_layers": 61, "first_k_dense_replace": 3, "num_experts_per_tok": 8}

@@ -288,7 +288,7 @@ def test_dockerfile_installs_like_every_other_install(platform):
 def test_install_script_keeps_torch_and_applies_patches_with_the_one_command():
     text = (DOCKER / "install-farskip.sh").read_text()
     assert '"${pip[@]}" --no-deps "$src"' in text
-    assert '"$python" -m sglang_farskip.patches apply' in text
+    assert '"$python" -m sglang_farskip.tools.patches apply' in text
 
 
 def test_dockerignore_files_are_identical():
@@ -532,7 +532,7 @@ def full_command_of(proc: subprocess.CompletedProcess) -> list[str]:
 
 def watchdog_and_server(argv: list[str]) -> tuple[list[str], list[str]]:
     """(the watchdog's own arguments, the server command it runs); ([], argv) without one."""
-    if argv[1:3] != ["-m", "sglang_farskip.watchdog"]:
+    if argv[1:3] != ["-m", "sglang_farskip.serve.watchdog"]:
         return [], argv
     split = argv.index("--")
     return argv[3:split], argv[split + 1:]
@@ -636,7 +636,7 @@ def test_entrypoint_dry_run_variable_prints_instead_of_starting(model):
     env = good_env(model, FARSKIP_DRY_RUN="1")
     proc = run(["bash", str(ENTRYPOINT)], env=env, timeout=30)
     assert command_of(proc)[1:3] == ["-m", "sglang_farskip.launch_server"]
-    assert full_command_of(proc)[1:3] == ["-m", "sglang_farskip.watchdog"]
+    assert full_command_of(proc)[1:3] == ["-m", "sglang_farskip.serve.watchdog"]
 
 
 def test_sglang_accepts_the_generated_commands(model):
@@ -649,7 +649,7 @@ def test_sglang_accepts_the_generated_commands(model):
     probe = """
 import argparse, json, sys
 from sglang.srt.server_args import ServerArgs
-from sglang_farskip.launch_server import _split_own_flags
+from sglang_farskip.serve.launcher import _split_own_flags
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 out = []

@@ -159,7 +159,7 @@ def assert_no_answer_is_an_error(port: int) -> dict:
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def model() -> str:
-    from sglang_farskip.demo_model import ensure_demo_checkpoint
+    from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
 
     return str(ensure_demo_checkpoint())
 
@@ -317,7 +317,7 @@ def test_link_cut_while_serving(link, model, log_dir):
             request.kill()
         dep.kill()
     assert result["error"] and not result["done"] and not result["client_timeout"], result
-    # Wherever node 0 waits at the cut, DIST_TIMEOUT bounds it: SGLang's CPU groups too (peers.py;
+    # Wherever node 0 waits at the cut, DIST_TIMEOUT bounds it: SGLang's CPU groups too (serve/timeouts.py;
     # a cut while node 0 broadcast a step's requests waited for upstream's 2 h, ended only by
     # the watchdog, in 1 of 5 busy runs).
     assert_log(dep.node0, rf"gloo CPU groups wait at most {SERVE_TIMEOUT} s")

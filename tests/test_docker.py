@@ -384,7 +384,7 @@ def server_processes(cid: str, marker: str) -> list[int]:
     whose own command line names the server's, excluded)."""
     rows = sh(["docker", "top", cid, "-eo", "pid,args"]).stdout.splitlines()[1:]
     return [int(row.split(None, 1)[0]) for row in rows
-            if marker in row and "sglang_farskip.watchdog" not in row]
+            if marker in row and "sglang_farskip.serve.watchdog" not in row]
 
 
 def started_at(cid: str) -> str:

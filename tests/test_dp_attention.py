@@ -25,9 +25,9 @@ import urllib.request
 
 import pytest
 
-from sglang_farskip import convert
+from sglang_farskip.tools import convert
 from sglang_farskip.config import FarSkipConfig
-from sglang_farskip.demo_model import build_checkpoint, kind_overrides
+from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides
 from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, ONE_THREAD, PROMPTS, assert_matches_reference, served
@@ -201,7 +201,7 @@ def test_two_node_processes_match_reference(checkpoints):
 
 def test_node0_gives_up_on_a_node_that_never_comes(checkpoints):
     """Upstream's node 0 waits for the other nodes' DP-attention handshake with no timeout
-    (peers.py); ours fails after --dist-timeout with a message that says what to check.
+    (serve/timeouts.py); ours fails after --dist-timeout with a message that says what to check.
     Bound: the start up to the handshake (~15 s alone here, a minute or two on a busy CI
     machine) plus the 10 s timeout; without the fix the server never exits."""
     addr = f"127.0.0.1:{free_port()}"

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from transformers import DeepseekV3ForCausalLM
 
 from sglang_farskip.config import FarSkipConfig
-from sglang_farskip.demo_model import build_checkpoint
+from sglang_farskip.tools.demo_model import build_checkpoint
 from sglang_farskip.fcsd.loss import distill_loss, eval_sums
 from sglang_farskip.fcsd.output import MTP_FILE, mtp_tensors
 from sglang_farskip.fcsd.run import main

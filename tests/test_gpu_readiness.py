@@ -28,7 +28,7 @@ import sys
 
 import pytest
 
-from sglang_farskip.demo_model import ensure_demo_checkpoint
+from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -36,8 +36,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # rules, applied to the same resolved args as the model would on a GPU.
 _PROBE = r'''
 import json, sys, types
-from sglang_farskip import launch_server as L
-from sglang_farskip.compat import unsupported
+from sglang_farskip.serve import launcher as L
+from sglang_farskip.serve.refusals import unsupported
 from sglang.srt.model_executor.cuda_graph_config import default_cuda_graph_config
 out = {}
 for name, argv in json.loads(sys.argv[1]).items():
@@ -104,7 +104,7 @@ def test_deterministic_inference_is_refused_on_the_side_stream_only():
     # SGLang itself refuses deterministic inference with the CPU attention backend, so the rule
     # is checked on its own: only FarSkip's own NCCL communicator breaks batch invariance; on
     # the CPU comm thread the sum is SGLang's gloo all-reduce, as in sync mode.
-    from sglang_farskip.compat import unsupported
+    from sglang_farskip.serve.refusals import unsupported
 
     args = type("Args", (), {"enable_deterministic_inference": True})()
     (line,) = unsupported(args, overlap=True, side_stream=True)
@@ -127,7 +127,7 @@ def test_side_max_ctas_must_be_positive(probe):
 def test_gpu_overlap_turns_prefill_graphs_off_unless_chosen():
     """The launcher reads the user's flags with SGLang's own parser, so the `=` form, the alias
     --disable-prefill-cuda-graph and abbreviations count as a choice just like the plain flag."""
-    from sglang_farskip.launch_server import GivenArgs, gpu_overlap_graph_args
+    from sglang_farskip.serve.launcher import GivenArgs, gpu_overlap_graph_args
 
     model = ["--model-path", "/m"]
     assert gpu_overlap_graph_args(GivenArgs([*model, "--tp", "8"])) == ["--cuda-graph-backend-prefill", "disabled"]
@@ -137,7 +137,7 @@ def test_gpu_overlap_turns_prefill_graphs_off_unless_chosen():
 
 
 def test_given_args_resolve_aliases_and_forms():
-    from sglang_farskip.launch_server import GivenArgs
+    from sglang_farskip.serve.launcher import GivenArgs
 
     given = GivenArgs(["--model", "/m", "--tp=4", "--device=cpu"])
     assert given.get("--model-path") == "/m" and given.get("--tp-size") == 4 and given.get("--device") == "cpu"
@@ -155,7 +155,7 @@ def device_check():
 
 
 def test_device_check_checkpoint_is_a_valid_farskip_v3(device_check, tmp_path):
-    from sglang_farskip.launch_server import check_farskip
+    from sglang_farskip.serve.launcher import check_farskip
 
     config = device_check.server_model_config()
     farskip = check_farskip(config, "server item")
@@ -206,7 +206,7 @@ def test_device_check_workload_covers_the_issue_cases(device_check):
 
 
 def test_device_check_servers_force_the_side_stream_except_sync(device_check):
-    from sglang_farskip.launch_server import _split_own_flags
+    from sglang_farskip.serve.launcher import _split_own_flags
 
     for variant in device_check.SERVER_VARIANTS:
         argv = device_check.server_argv("/m", variant, 1234)

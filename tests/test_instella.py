@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_farskip.config import FarSkipConfig, FarSkipConfigError
-from sglang_farskip.demo_model import build_checkpoint, ensure_demo_checkpoint, kind_overrides
+from sglang_farskip.tools.demo_model import build_checkpoint, ensure_demo_checkpoint, kind_overrides
 from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, LOGPROB_ATOL, ONE_THREAD, PROMPTS, assert_matches_reference, served

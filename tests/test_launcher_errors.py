@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from sglang_farskip.demo_model import ensure_demo_checkpoint
+from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
 
 from serverutil import TIME_BOUND_S, assert_fails, launch
 
@@ -30,7 +30,7 @@ def write_config(path, **overrides) -> str:
 _TRY_EACH = r"""
 import json, os, sys
 from unittest import mock
-from sglang_farskip import launch_server as L
+from sglang_farskip.serve import launcher as L
 out = {}
 for name, argv in json.load(sys.stdin).items():
     with mock.patch.dict(os.environ):
@@ -131,7 +131,7 @@ def test_tc_piecewise_prefill_graphs_are_refused_with_overlap(refused):
     # already rejects the value when parsing; compat refuses it where a version still takes it.
     import types
 
-    from sglang_farskip.compat import unsupported
+    from sglang_farskip.serve.refusals import unsupported
 
     assert_refused(refused["tc_piecewise"], "invalid SGLang arguments")
     phase = types.SimpleNamespace

@@ -26,8 +26,8 @@ import time
 
 import pytest
 
-from sglang_farskip import convert
-from sglang_farskip.demo_model import build_checkpoint
+from sglang_farskip.tools import convert
+from sglang_farskip.tools.demo_model import build_checkpoint
 from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, ONE_THREAD, PROMPTS, assert_matches_reference, served

@@ -1,4 +1,4 @@
-"""`python -m sglang_farskip.patches` against the installed SGLang, with the repository's
+"""`python -m sglang_farskip.tools.patches` against the installed SGLang, with the repository's
 patches/ and with a real patch fixture.
 
 patches/ holds no patch at present, so checking it alone would pass with a broken mechanism.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_farskip import SGLANG_VERSION, patches
+from sglang_farskip import SGLANG_VERSION
+from sglang_farskip.tools import patches
 
 TESTS = Path(__file__).resolve().parent
 FIXTURE_DIR = TESTS / "patch_fixture"
@@ -28,7 +29,7 @@ MARKER = "FARSKIP_PATCH_FIXTURE = True"
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "sglang_farskip.patches", *args],
+    return subprocess.run([sys.executable, "-m", "sglang_farskip.tools.patches", *args],
                           capture_output=True, text=True, timeout=120, cwd=cwd)
 
 

@@ -1,4 +1,4 @@
-"""peers.py on SGLang's own process groups: two spawned ranks, gloo, no server.
+"""serve/timeouts.py on SGLang's own process groups: two spawned ranks, gloo, no server.
 
 A gloo send is a rendezvous: it completes only once the peer has posted the receive. So rank 0,
 the root of the request broadcast every scheduler step runs on the TP group's CPU group,
@@ -23,7 +23,7 @@ def _rank(rank: int, port: int, results, done) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.utils import broadcast_pyobj
 
-    from sglang_farskip import peers
+    from sglang_farskip.serve import timeouts as peers
 
     peers.install()  # what plugin.register() does in every process SGLang starts
     HookRegistry.apply_hooks()

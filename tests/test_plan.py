@@ -317,7 +317,7 @@ def test_testbed_ops_file_feeds_the_planner(tmp_path):
     both phases measured, nothing extrapolated at the sizes it timed."""
     import subprocess
 
-    from sglang_farskip.demo_model import V3_BENCH, demo_config, kind_overrides
+    from sglang_farskip.tools.demo_model import V3_BENCH, demo_config, kind_overrides
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict(demo_config(kind_overrides("v3-bench")), farskip=True)))

@@ -3,7 +3,7 @@ of SGLang's server-info endpoints, whether the key came as `--api-key` or as FAR
 (the entrypoint's way), on one node and on two. And the keys still work, and the load tools
 (bench/run_load.py and its locust) can send them.
 
-Before python/sglang_farskip/redact.py, SGLang's start-up `server_args=` line printed both keys
+Before python/sglang_farskip/serve/redact.py, SGLang's start-up `server_args=` line printed both keys
 and `/server_info` and `/get_server_info` returned them; with redact.install() removed from the
 plugin this test fails on the first of those.
 """
@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from sglang_farskip.redact import REDACTED, scrub, scrub_argv
+from sglang_farskip.serve.redact import REDACTED, scrub, scrub_argv
 
 from parity import ONE_THREAD
 from serverutil import free_port, run_load, side_by_side

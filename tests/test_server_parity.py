@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_farskip import convert
-from sglang_farskip.demo_model import build_checkpoint
+from sglang_farskip.tools import convert
+from sglang_farskip.tools.demo_model import build_checkpoint
 from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, NEW_TOKENS, ONE_THREAD, PROMPTS, assert_matches_reference, served
@@ -77,7 +77,7 @@ def test_non_farskip_checkpoint_equals_stock_sglang(checkpoints):
                   "--max-total-tokens", "16384", "--sleep-on-idle", *FLOAT32]
     plain = str(checkpoints["plain"])
     # "ours" spawns its workers as SGLang does on GPUs; the others fork them (our CPU default,
-    # cpu_support.py), so equal also means that the start method changes nothing.
+    # cpu/environment.py), so equal also means that the start method changes nothing.
     runs = {  # the same thread count on every side, so that equal means bit for bit
         "stock": {"args": ["--model-path", plain, *stock_args], "stock": True, "env": ONE_THREAD},
         "ours": {"args": ["--model-path", plain, "--farskip-cpu-start-method", "spawn", *FLOAT32],

@@ -523,7 +523,7 @@ def spec_served(tmp_path_factory):
     from speculative import SPEC_FLAGS, ask_all, reference_greedy, spec_prompts
 
     from sglang_farskip.config import FarSkipConfig
-    from sglang_farskip.demo_model import build_checkpoint, predictable_mtp
+    from sglang_farskip.tools.demo_model import build_checkpoint, predictable_mtp
 
     root = tmp_path_factory.mktemp("spec")
     path = predictable_mtp(build_checkpoint(root / "base", seed=0), root / "mtp")

@@ -35,7 +35,7 @@ import sys
 import pytest
 
 from sglang_farskip.config import FarSkipConfig
-from sglang_farskip.demo_model import build_checkpoint, kind_overrides, predictable_mtp
+from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides, predictable_mtp
 
 from parity import FLOAT32, ONE_THREAD
 from serverutil import REPO, free_port, run_load, side_by_side

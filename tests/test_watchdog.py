@@ -1,4 +1,4 @@
-"""The entrypoint's watchdog (python/sglang_farskip/watchdog.py) on its own: SIGTERM reaches the
+"""The entrypoint's watchdog (python/sglang_farskip/serve/watchdog.py) on its own: SIGTERM reaches the
 server and the watchdog exits with the server's status; failed checks before the first success
 end nothing (a server that is still starting); the server dies with the watchdog.
 
@@ -20,14 +20,14 @@ import psutil
 from parity import ONE_THREAD
 from serverutil import REPO, free_port
 
-from sglang_farskip.watchdog import EXIT_UNHEALTHY
+from sglang_farskip.serve.watchdog import EXIT_UNHEALTHY
 
 INTERVAL_S, TIMEOUT_S, FAILURES = 1, 2, 2
 
 
 def watchdog(cmd: list[str], url: str, log) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "sglang_farskip.watchdog", "--url", url, "--interval",
+        [sys.executable, "-m", "sglang_farskip.serve.watchdog", "--url", url, "--interval",
          str(INTERVAL_S), "--timeout", str(TIMEOUT_S), "--failures", str(FAILURES), "--", *cmd],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         env={**os.environ, **ONE_THREAD})
@@ -98,7 +98,7 @@ def test_a_start_that_never_answers_is_ended(tmp_path):
     log_path = tmp_path / "watchdog.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_farskip.watchdog", "--url",
+            [sys.executable, "-m", "sglang_farskip.serve.watchdog", "--url",
              f"http://127.0.0.1:{free_port()}/health_generate", "--interval", "1",
              "--start-timeout", "3", "--", "sleep", "600"],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

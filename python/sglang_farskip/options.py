@@ -81,7 +81,7 @@ class RuntimeOptions:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
-            raise FarSkipConfigError(f"{ENV} is not valid JSON ({e}): start the server with sglang_farskip.launch_server") from None
+            raise FarSkipConfigError(f"{ENV} is not valid JSON ({e}): start the server with sglang_farskip.serve.launcher") from None
         known = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(raw, dict) or set(raw) - known:
             extra = sorted(set(raw) - known) if isinstance(raw, dict) else raw

@@ -2,7 +2,7 @@
 
 The model file holds the math; this module turns SGLang's process groups and the runtime
 options into the one `comm.Communicator` the forward is handed:
-- `check_server_args`: SGLang settings FarSkip cannot run (rules in `compat.py`), before any
+- `check_server_args`: SGLang settings FarSkip cannot run (rules in `serve/refusals.py`), before any
   weight is allocated;
 - `reduction_group`: the one group both lanes reduce over (FarSkip sums the attention and
   shared-expert partials in one collective, which is only valid over the same ranks);
@@ -24,7 +24,7 @@ import os
 import torch
 
 from sglang_farskip.comm import Communicator, SideStreamAllReduce, fork_join_probe, nccl_all_reduce_
-from sglang_farskip.compat import unsupported, uses_side_stream
+from sglang_farskip.serve.refusals import unsupported, uses_side_stream
 from sglang_farskip.config import FarSkipConfigError, FarSkipMode
 from sglang_farskip.options import RuntimeOptions
 from sglang_farskip.profiler import OverlapProfiler

@@ -20,7 +20,7 @@ IS_FARSKIP_CPU_STAND_IN = True
 _FIX = (
     "this machine has no sgl_kernel build (sglang_farskip's CPU stand-in is installed): "
     "run on a GPU node with SGLang's own image, or keep the CPU path on torch-native ops "
-    "(--device cpu --attention-backend torch_native, which sglang_farskip.launch_server sets)"
+    "(--device cpu --attention-backend torch_native, which sglang_farskip.serve.launcher sets)"
 )
 
 

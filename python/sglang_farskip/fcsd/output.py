@@ -1,7 +1,7 @@
 """The servable result: transformers' save_pretrained of the student's weights (per-expert tensor
 names, what SGLang loads), the teacher's multi-token-prediction layers copied unchanged (their
 dtype kept; transformers' model has none, SGLang's EAGLE draft reads them), the teacher's
-config.json plus the FarSkip keys (as convert.py writes them), and every other non-weight file
+config.json plus the FarSkip keys (as tools/convert.py writes them), and every other non-weight file
 of the teacher (tokenizer, chat template, generation config). Built in a temporary directory
 and renamed into place: OUT_DIR appears only complete."""
 

@@ -61,7 +61,7 @@ from sglang.srt.utils import BumpAllocator
 from sglang_farskip import options, parallel
 from sglang_farskip.comm import Communicator, Handle
 from sglang_farskip.config import FarSkipConfig, FarSkipMode, is_moe_layer
-from sglang_farskip.status import model_report, write_rank_status
+from sglang_farskip.serve.status import model_report, write_rank_status
 
 logger = logging.getLogger("sglang_farskip.model")
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("sglang_farskip.peers")
+logger = logging.getLogger("sglang_farskip.serve.timeouts")
 
 _TARGET = ("sglang.srt.managers.data_parallel_controller."
            "DataParallelController._broadcast_ports_as_server")

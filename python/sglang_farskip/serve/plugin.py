@@ -2,15 +2,15 @@
 
 SGLang calls `register()` in every process it spawns (HTTP server, each scheduler/TP worker,
 detokenizer), because a spawned worker inherits none of the launcher's in-memory changes; a
-forked one (on CPU, cpu_support.py) inherits them, and SGLang does not load plugins twice. It
-1. applies the CPU fixes when SGLang runs on CPU (see cpu_support.py);
+forked one (on CPU, cpu/environment.py) inherits them, and SGLang does not load plugins twice. It
+1. applies the CPU fixes when SGLang runs on CPU (see cpu/environment.py);
 2. puts the FarSkip classes in SGLang's model registry under "DeepseekV3ForCausalLM" and
    "InstellaMoEForCausalLM";
 3. hooks SGLang's model-shape derivation so that "InstellaMoEForCausalLM" gets the MLA KV-cache
    layout (SGLang recognises MLA from a hard-coded list of architecture names);
 4. hooks SGLang's redaction so that the API keys never reach a log, a crash dump or an HTTP
-   answer (redact.py);
-5. bounds the waits for peer nodes that upstream leaves unbounded or at two hours (peers.py).
+   answer (serve/redact.py);
+5. bounds the waits for peer nodes that upstream leaves unbounded or at two hours (serve/timeouts.py).
 
 The class is upstream's whenever config.json says `"farskip": false`, so plain DeepSeek-V3
 checkpoints are served exactly as stock SGLang serves them.
@@ -25,9 +25,9 @@ import logging
 import os
 import sys
 
-logger = logging.getLogger("sglang_farskip.plugin")
+logger = logging.getLogger("sglang_farskip.serve.plugin")
 
-from sglang_farskip.cpu_support import quiet_known_cpu_noise
+from sglang_farskip.cpu.environment import quiet_known_cpu_noise
 from sglang_farskip.checkpoint import DEEPSEEK_V3_ARCH, INSTELLA_ARCH
 
 # Before SGLang's imports that print it (SGLang imports this module, then its own, then calls it).
@@ -39,7 +39,7 @@ _MLA_ALIAS = DEEPSEEK_V3_ARCH
 
 def register_cpu_support() -> None:
     """Entry point `farskip_cpu`: only the CPU fixes (also what stock-SGLang A/B runs use)."""
-    from sglang_farskip.cpu_support import apply_cpu_fixes, is_cpu_run
+    from sglang_farskip.cpu.environment import apply_cpu_fixes, is_cpu_run
 
     if is_cpu_run():
         apply_cpu_fixes()
@@ -85,11 +85,11 @@ def register() -> None:
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_farskip import peers, redact
+    from sglang_farskip.serve import redact, timeouts
 
     register_cpu_support()
     redact.install()
-    peers.install()
+    timeouts.install()
     for arch, cls in _classes().items():
         ModelRegistry.models[arch] = cls
         logger.info("sglang_farskip: %s -> %s", arch, cls.__qualname__)

@@ -1,7 +1,7 @@
 """Run the server and end it when the deployment stops answering, so that whatever runs the
 node (Docker's restart policy, the kubelet, Slurm) starts it again.
 
-    python -m sglang_farskip.watchdog --url http://node0:30000/health_generate -- CMD...
+    python -m sglang_farskip.serve.watchdog --url http://node0:30000/health_generate -- CMD...
 
 Why a separate process: a crashed server ends on its own and its exit already restarts the
 node, but a hung one (a rank stuck in a GPU call, a stopped process) keeps its container alive
@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 
-logger = logging.getLogger("sglang_farskip.watchdog")
+logger = logging.getLogger("sglang_farskip.serve.watchdog")
 
 # Distinct from the server's own statuses (a Python error is 1, a signal 128+N): the log and
 # `docker inspect` then say that the watchdog ended it.
@@ -136,7 +136,7 @@ def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sglang_farskip.watchdog",
+        prog="python -m sglang_farskip.serve.watchdog",
         description="Run CMD; kill it and exit %d once URL has failed FAILURES checks in a "
                     "row after its first success." % EXIT_UNHEALTHY)
     parser.add_argument("--url", required=True, help="node 0's /health_generate")

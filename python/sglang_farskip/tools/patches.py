@@ -1,7 +1,7 @@
 """Apply or check the repository's `patches/` against the installed SGLang.
 
-    python -m sglang_farskip.patches check [--dir patches] [--root DIR]   # every patch applies (or is applied)
-    python -m sglang_farskip.patches apply [--dir patches] [--root DIR]   # apply what is not applied yet
+    python -m sglang_farskip.tools.patches check [--dir patches] [--root DIR]   # every patch applies (or is applied)
+    python -m sglang_farskip.tools.patches apply [--dir patches] [--root DIR]   # apply what is not applied yet
 
 A patch is a unified diff with paths relative to site-packages (`a/sglang/srt/...`), named
 NN-concern.patch, its header stating why no plugin hook can do the same. Patches are applied
@@ -56,7 +56,7 @@ def conflict_reason(patch: Path, root: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_farskip.patches")
+    parser = argparse.ArgumentParser(prog="python -m sglang_farskip.tools.patches")
     parser.add_argument("command", choices=["check", "apply"])
     parser.add_argument("--dir", type=Path, default=None, help="patch directory (default: patches/)")
     parser.add_argument("--root", type=Path, default=None, help="tree to patch (default: site-packages)")

@@ -82,7 +82,7 @@ def _check_plain_self_attention(layer) -> None:
 def backend_class():
     """The torch_native backend SGLang builds on CPU: cpu_mha's (MLA dispatch, MHA prefill)
     plus target verify and the draft-decode step of the multi-step backend."""
-    from sglang_farskip import cpu_mha
+    from sglang_farskip.cpu import attention as cpu_mha
 
     base = cpu_mha._make_backend_class()
 

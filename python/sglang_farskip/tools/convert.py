@@ -1,6 +1,6 @@
 """Mark a DeepSeek-V3 (or Instella-MoE) Hugging Face checkpoint as FarSkip, without copying its weights.
 
-    python -m sglang_farskip.convert SRC DST [--start-layer N] [--end-layer M]
+    python -m sglang_farskip.tools.convert SRC DST [--start-layer N] [--end-layer M]
                                      [--attn-only | --mlp-only] [--force]
 
 DST gets its own config.json (SRC's plus the FarSkip keys, see sglang_farskip.config) and a
@@ -54,7 +54,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(
-        prog="python -m sglang_farskip.convert",
+        prog="python -m sglang_farskip.tools.convert",
         description="Mark a DeepSeek-V3 Hugging Face checkpoint as FarSkip: DST gets a new "
         "config.json and symlinks to every other file of SRC.",
     )

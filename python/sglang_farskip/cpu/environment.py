@@ -1,10 +1,10 @@
 """SGLang 0.5.23 on a CPU without AMX: environment, defaults, and two upstream gaps.
 
-Upstream gaps (fixed at plugin load, in every SGLang process, see plugin.py):
+Upstream gaps (fixed at plugin load, in every SGLang process, see serve/plugin.py):
 1. DeepSeek MLA prefill with --attention-backend torch_native: the backend registry has no
    torch_native entry, falls back to the triton handler, which picks the MHA prefill path whose
    k/v head sizes do not match torch_native's compressed MLA KV cache (RuntimeError in
-   torch_native_backend.py). cpu_mha.py registers a torch_native handler (absorbed MLA for
+   torch_native_backend.py). cpu/attention.py registers a torch_native handler (absorbed MLA for
    every batch by default) and a backend subclass that also runs the MHA prefill paths
    (`--farskip-cpu-attention mha`).
 2. --ep-size > 1 with the native CPU MoE: topk ids of experts owned by another EP rank arrive
@@ -12,7 +12,7 @@ Upstream gaps (fixed at plugin load, in every SGLang process, see plugin.py):
    function once per top-k slot on the tokens whose expert is local, so foreign slots
    contribute nothing and upstream's expert math (activation, biases) is reused unchanged.
 3. Speculative decoding (NGRAM, EAGLE): target verify and EAGLE's draft decode on torch_native,
-   and a CUDA-only synchronize in the NextN draft's set-up (cpu_spec.py); the kernel-package
+   and a CUDA-only synchronize in the NextN draft's set-up (cpu/spec.py); the kernel-package
    ops those paths call have twins in the sgl_kernel stand-in.
 
 And one start-up cost: SGLang starts its workers (schedulers, detokenizer, DP controller) with
@@ -164,12 +164,12 @@ def apply_cpu_fixes() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_farskip import cpu_mha, cpu_spec
+    from sglang_farskip.cpu import attention, spec
 
     if multiprocessing.parent_process() is None:  # the launching process (with SGLang's own CLI)
         one_thread_until_workers_start()
-    cpu_mha.install()
-    cpu_spec.install()  # after cpu_mha: it registers a subclass of cpu_mha's backend
+    attention.install()
+    spec.install()  # after attention: it registers a subclass of attention's backend
     _make_native_moe_skip_foreign_experts()
     _make_reduce_scatterv_work_without_pynccl()
     HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config",

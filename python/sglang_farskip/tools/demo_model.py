@@ -6,11 +6,11 @@ Nothing is downloaded: the weights are seeded random numbers (Hugging Face trans
 own DeepseekV3ForCausalLM), the tokenizer is a byte-level BPE trained here on a few built-in
 paragraphs. The same seed gives byte-identical files.
 
-    from sglang_farskip.demo_model import ensure_demo_checkpoint
+    from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
     path = ensure_demo_checkpoint()          # ~/.cache/sglang-farskip/tiny-dsv3-farskip-s0-<hash>
     path = ensure_demo_checkpoint(kind="instella")   # .../tiny-instella-farskip-s0-<hash>
 
-    python -m sglang_farskip.demo_model [--kind instella] [--cache-dir DIR] [--seed N]   # prints the path
+    python -m sglang_farskip.tools.demo_model [--kind instella] [--cache-dir DIR] [--seed N]   # prints the path
 
 Notes for consumers (transformers 5.19, the pinned version):
 - RoPE settings live in `rope_parameters` (with `rope_theta` inside it); transformers 5 no
@@ -601,7 +601,7 @@ def ensure_demo_checkpoint(cache_dir: Path | str | None = None, seed: int = 0, k
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sglang_farskip.demo_model",
+        prog="python -m sglang_farskip.tools.demo_model",
         description="Build (once) a tiny FarSkip demo checkpoint and print its path.",
     )
     parser.add_argument("--kind", choices=KINDS, default="deepseek-v3")

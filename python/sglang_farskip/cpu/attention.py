@@ -57,7 +57,7 @@ def _record(kind: str, key: str) -> None:
         return
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_farskip.status import update_rank_status
+    from sglang_farskip.serve.status import update_rank_status
 
     _evidence[kind][key] += 1
     update_rank_status(get_parallel().tp_rank, **{k: dict(v) for k, v in _evidence.items()})
@@ -120,7 +120,7 @@ def _padding_fits(forward_batch):
         forward_batch.seq_lens = seq_lens
 
 
-@functools.cache  # one class: cpu_spec.py subclasses it
+@functools.cache  # one class: cpu/spec.py subclasses it
 def _make_backend_class():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 

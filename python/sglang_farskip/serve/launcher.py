@@ -1,0 +1,475 @@
+"""`python -m sglang_farskip.launch_server [--farskip-mode overlap|sync|blocking|off] [SGLang flags...]`
+
+Every SGLang flag passes through. What this adds to `python -m sglang.launch_server`:
+- no --model-path: build (once, cached) a tiny FarSkip demo checkpoint and serve it
+  (`--demo deepseek-v3`, the default, or `--demo instella`);
+- no GPU, or --device cpu: the CPU environment and defaults SGLang needs, set here;
+- the checkpoint and flags are checked before anything starts: clear errors, exit code 2;
+- the FarSkip runtime options (mode, GPU overlap, ...) are validated once and reach every
+  worker as one environment variable (`options.py`);
+- after start-up, each rank's report of what it really built is checked, logged and served at
+  GET /farskip/info; a server whose workers did not load the plugin is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from sglang_farskip import checkpoint
+from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, FarSkipMode
+from sglang_farskip.options import CPU_START_METHODS, RuntimeOptions
+
+logger = logging.getLogger("sglang_farskip.launch")
+
+ENV_STATUS = "SGLANG_FARSKIP_STATUS_DIR"
+
+
+class LaunchError(Exception):
+    """A problem with the user's input: printed as one `error:` line, exit code 2."""
+
+
+DEMO_MODEL_NAMES = {"deepseek-v3": "farskip-demo", "instella": "farskip-demo-instella"}
+_UNSET = object()
+
+
+# ---------------------------------------------------------------- the command line
+class GivenArgs:
+    """The SGLang flags the user gave, as SGLang's own parser reads them (aliases such as
+    --tp, `--flag=value`, abbreviations and --config files resolved), without its defaults:
+    the launcher adds a default of its own only where the user gave nothing."""
+
+    def __init__(self, argv: list[str]):
+        from sglang.srt.server_args import ServerArgs
+
+        parser = argparse.ArgumentParser(prog="sglang_farskip.serve.launcher")
+        ServerArgs.add_cli_args(parser)
+        if "--config" in argv:  # as prepare_server_args does
+            from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+            argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+        self._dest = {}
+        for action in parser._actions:
+            for option in action.option_strings:
+                self._dest[option] = action.dest
+            action.default, action.required = _UNSET, False
+        try:
+            namespace = parser.parse_args(argv)
+        except SystemExit as e:  # argparse already printed the problem
+            raise LaunchError(f"invalid SGLang arguments (exit {e.code}); see the message above") from None
+        self._values = {k: v for k, v in vars(namespace).items() if v is not _UNSET}
+
+    def __contains__(self, flag: str) -> bool:
+        return self._dest[flag] in self._values
+
+    def get(self, flag: str, default=None):
+        return self._values.get(self._dest[flag], default)
+
+
+def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="sglang_farskip.serve.launcher", add_help=False, allow_abbrev=False)
+    parser.add_argument("--farskip-mode", choices=[m.value for m in FarSkipMode], default=None)
+    parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0)
+    parser.add_argument("--farskip-profile-dir", default=None,
+                        help="record per-layer collective/wait timings into DIR (off by default)")
+    parser.add_argument("--farskip-gpu-overlap", action="store_true",
+                        help="use the side-stream all-reduce on GPU (not yet validated on hardware)")
+    parser.add_argument("--farskip-side-max-ctas", type=int, default=None,
+                        help="cap the CTAs (SMs) one side-stream all-reduce may take from "
+                             "overlapped compute (NCCL maxCTAs; default: NCCL's choice)")
+    parser.add_argument("--farskip-cpu-attention", choices=["absorbed", "mha"], default=None,
+                        help="CPU only: MLA prefill as absorbed MLA (default) or, as on GPUs, MHA over "
+                        "decompressed K/V (chunked on a long cached prefix); decode stays absorbed")
+    parser.add_argument("--farskip-cpu-start-method", choices=list(CPU_START_METHODS), default=None,
+                        help="CPU only: SGLang's worker processes are forked from the launcher, which "
+                        "has imported SGLang already (default), or spawned as on GPUs (each imports it again)")
+    parser.add_argument("--demo", choices=list(DEMO_MODEL_NAMES), default=None,
+                        help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
+    # Test only (bench/device_check.py): the GPU side stream even at TP=1, with the fork/join probe.
+    parser.add_argument("--farskip-test-force-side-stream", action="store_true", help=argparse.SUPPRESS)
+    # Test only (device_check's broken-lane control): LANE:LAYER sums zeros for one collective.
+    parser.add_argument("--farskip-test-drop-partial", default=None, metavar="LANE:LAYER", help=argparse.SUPPRESS)
+    return parser.parse_known_args(argv)
+
+
+# ---------------------------------------------------------------- checks before launch
+def read_checkpoint_config(model_path: str) -> dict:
+    try:
+        return checkpoint.read_config(
+            model_path,
+            missing_hint="pass a local checkpoint directory (download it first), or omit --model-path "
+            "to serve the built-in demo model",
+        )
+    except checkpoint.CheckpointError as e:
+        raise LaunchError(str(e)) from None
+
+
+def check_farskip(config: dict, model_path: str) -> FarSkipConfig:
+    try:
+        farskip = FarSkipConfig.from_hf_config(config)
+    except FarSkipConfigError as e:
+        raise LaunchError(f"{model_path}/config.json: {e}") from None
+    try:
+        problems = checkpoint.gate_problems(config, checkpoint.checkpoint_gate_shapes(model_path))
+    except checkpoint.CheckpointError as e:
+        raise LaunchError(f"{model_path}/config.json: {e}") from None
+    if problems:
+        raise LaunchError(f"{model_path}: {problems[0]}")
+    if not farskip.enabled:
+        return farskip
+    archs = config.get("architectures") or []
+    if checkpoint.architecture(config) is None:
+        raise LaunchError(
+            f"{model_path}/config.json sets \"farskip\": true but the architecture is {archs}: "
+            f"FarSkip is implemented for {' and '.join(checkpoint.FARSKIP_ARCHS)} only; remove the "
+            "farskip keys or use one of those checkpoints"
+        )
+    try:
+        farskip.check_layers(int(config.get("num_hidden_layers", 0)))
+    except FarSkipConfigError as e:
+        raise LaunchError(f"{model_path}/config.json: {e}") from None
+    return farskip
+
+
+def _gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cpu_engine_env_first(gpu: bool) -> None:
+    """SGLang's modules decide at import whether this is a CPU run (SGLANG_USE_CPU_ENGINE), and
+    reading the command line with SGLang's parser imports them: without a GPU the variable is
+    set before that; a CPU run asked for with --device cpu on a GPU machine re-executes (main)."""
+    from sglang_farskip.cpu.environment import cpu_base_environment
+
+    if not gpu:
+        _setdefault_env(cpu_base_environment())
+
+
+def _setdefault_env(env: dict[str, str]) -> None:
+    for key, value in env.items():
+        if key in os.environ and os.environ[key] != value:
+            logger.info("keeping %s=%s from the environment", key, os.environ[key])
+        os.environ.setdefault(key, value)
+
+
+def _device(given: GivenArgs, gpu: bool) -> str:
+    from sglang_farskip.cpu.environment import is_cpu_run
+
+    return given.get("--device") or ("cpu" if not gpu or is_cpu_run() else "cuda")
+
+
+def _check_cpu_engine(on_cpu: bool, gpu: bool, device: str | None) -> None:
+    """SGLang's modules, already imported, must agree with the device this run serves on."""
+    from sglang_farskip.cpu.environment import is_cpu_run
+
+    if on_cpu == is_cpu_run():
+        return
+    if not gpu:
+        raise LaunchError(f"--device {device}, but torch sees no GPU (torch.cuda.is_available() is "
+                          "False): drop --device to serve on CPU, or run on a machine with a GPU")
+    raise LaunchError(f"--device {device}, but SGLANG_USE_CPU_ENGINE=1 is set in the environment: unset it "
+                      "for a GPU run, or drop --device")
+
+
+def _cpu_setup(given: GivenArgs) -> list[str]:
+    """The per-rank CPU environment, and the CPU defaults for flags the user did not give."""
+    from sglang_farskip.cpu.environment import cpu_default_args, cpu_environment
+
+    tp, nnodes = given.get("--tp-size", 1), given.get("--nnodes", 1)
+    _setdefault_env(cpu_environment(ranks_on_this_node=max(1, tp // nnodes), cores=os.cpu_count() or 1))
+    extra = []
+    for flag, value in cpu_default_args():
+        if flag not in given:
+            extra += [flag] if value is None else [flag, value]
+    return extra
+
+
+def gpu_overlap_graph_args(given: GivenArgs) -> list[str]:
+    """With the GPU side stream, prefill runs without CUDA graphs unless the user chose a
+    prefill graph backend: SGLang's default on CUDA (breakable graphs) cuts the capture at every
+    attention, where the routed sum would still be in flight, so the model then joins that sum
+    before attention and it overlaps nothing (docs/gpu-overlap.md)."""
+    if any(f in given for f in ("--cuda-graph-backend-prefill", "--disable-cuda-graph", "--disable-prefill-cuda-graph")):
+        logger.info("GPU overlap: keeping the prefill CUDA-graph setting given; under a breakable "
+                    "graph the routed all-reduce is joined before each attention (less overlap)")
+        return []
+    logger.info("GPU overlap: added --cuda-graph-backend-prefill disabled (prefill runs eagerly, so "
+                "both all-reduce lanes overlap compute); pass --cuda-graph-backend-prefill to choose")
+    return ["--cuda-graph-backend-prefill", "disabled"]
+
+
+def _check_stand_in() -> None:
+    from sglang_farskip.cpu.environment import stand_in_kernels
+
+    try:
+        import sgl_kernel  # noqa: F401
+    except ImportError:
+        raise LaunchError(
+            "sgl_kernel is not importable and the CPU stand-in is not installed: "
+            "run scripts/bootstrap.sh (it installs python/cpu_shim)"
+        ) from None
+    if stand_in_kernels():
+        logger.info("CPU run: sgl_kernel is sglang_farskip's stand-in (raises if any kernel is called)")
+
+
+# ---------------------------------------------------------------- after launch
+def wait_healthy(base_url: str, timeout: float, alive=lambda: True) -> bool:
+    """Poll GET /health until it answers 200 (True), or the timeout passes or `alive()` turns
+    false (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1)
+    return False
+
+
+def _wait_ready_and_verify(base_url: str, status_dir: str, ranks: int, timeout: float,
+                           curl_hint: str) -> None:
+    """Runs in a thread beside the server: once it answers, every local rank must have
+    reported the FarSkip class; otherwise the server is stopped (the plugin did not load)."""
+    from sglang_farskip.serve.status import read_rank_statuses
+
+    if not wait_healthy(base_url, timeout):
+        return  # SGLang reports its own start-up failures; nothing to verify
+    reports = read_rank_statuses(status_dir)
+    if len(reports) < ranks:
+        logger.error(
+            "the server is up but %d of %d ranks reported a FarSkip model: SGLang built another "
+            "class (its plugin loader logs and swallows errors; look for 'Failed to execute "
+            "general plugin' above). Stopping.", len(reports), ranks,
+        )
+        _stop_server()
+        return
+    first = reports[0]
+    logger.info(
+        "running %s on %d rank(s): %s; mode %s (requested %s); all-reduce %s",
+        first["model_class"], len(reports), first["description"], first["mode"],
+        first["requested_mode"], first["comm_backend"],
+    )
+    print(f"\nServer ready at {base_url}. Try:\n  {curl_hint}\n", flush=True)
+
+
+def _stop_server() -> None:
+    from sglang.srt.utils import kill_process_tree
+
+    kill_process_tree(os.getpid(), include_parent=True)
+
+
+def _add_info_route(status_dir: str, launch_info: dict) -> None:
+    from sglang.srt.entrypoints.http_server import app
+
+    from sglang_farskip.serve.status import read_rank_statuses
+
+    @app.get("/farskip/info")
+    async def farskip_info():
+        return {"launcher": launch_info, "ranks": read_rank_statuses(status_dir)}
+
+
+# ---------------------------------------------------------------- main
+def prepare(argv: list[str]) -> tuple[object, dict]:
+    """Everything before the server starts; raises LaunchError on bad input."""
+    own, argv = _split_own_flags(argv)
+    gpu = _gpu_present()
+    _cpu_engine_env_first(gpu)
+    given = GivenArgs(argv)
+    on_cpu = _device(given, gpu) == "cpu"
+    if on_cpu:  # before anything here runs torch (the demo build does)
+        from sglang_farskip.cpu.environment import one_thread_until_workers_start
+
+        one_thread_until_workers_start()
+    # deploy/entrypoint.sh hands API_KEY over here rather than as --api-key: argv shows in ps.
+    # One `--api-key=KEY` word: a key that starts with "-" would otherwise read as a flag.
+    if os.environ.get("FARSKIP_API_KEY") and "--api-key" not in given:
+        argv = argv + [f"--api-key={os.environ['FARSKIP_API_KEY']}"]
+    demo = "--model-path" not in given
+    if own.demo and not demo:
+        raise LaunchError("--demo picks a built-in model and --model-path a checkpoint: pass one of them")
+    if demo:
+        from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
+
+        kind = own.demo or "deepseek-v3"
+        path = ensure_demo_checkpoint(kind=kind)
+        logger.info("no --model-path: serving the built-in tiny FarSkip model from %s", path)
+        argv = ["--model-path", str(path)] + argv
+        if "--served-model-name" not in given:  # the OpenAI model id clients send
+            argv += ["--served-model-name", DEMO_MODEL_NAMES[kind]]
+    model_path = str(path) if demo else given.get("--model-path")
+    config = read_checkpoint_config(model_path)
+    farskip = check_farskip(config, model_path)
+    if own.farskip_mode and not farskip.enabled:
+        logger.warning("--farskip-mode %s has no effect: %s is not a FarSkip checkpoint",
+                       own.farskip_mode, model_path)
+    if own.farskip_cpu_attention and not on_cpu:
+        raise LaunchError("--farskip-cpu-attention applies to CPU runs only; on a GPU the attention "
+                          "backend (--attention-backend) chooses the MLA prefill path: remove the flag")
+    if own.farskip_cpu_start_method and not on_cpu:
+        raise LaunchError("--farskip-cpu-start-method applies to CPU runs only; on a GPU SGLang spawns its "
+                          "workers (a forked CUDA process cannot use the GPU): remove the flag")
+    if own.farskip_profile_dir:
+        os.makedirs(own.farskip_profile_dir, exist_ok=True)
+    try:
+        opts = RuntimeOptions(
+            mode=own.farskip_mode or FarSkipMode.OVERLAP,
+            gpu_overlap=own.farskip_gpu_overlap,
+            side_max_ctas=own.farskip_side_max_ctas,
+            profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None,
+            cpu_attention=own.farskip_cpu_attention,
+            cpu_start_method=own.farskip_cpu_start_method or "fork",
+            force_side_stream=own.farskip_test_force_side_stream,
+            drop_partial=own.farskip_test_drop_partial,
+        )
+    except FarSkipConfigError as e:
+        raise LaunchError(str(e)) from None
+    if on_cpu:
+        argv = argv + _cpu_setup(given)
+        _check_stand_in()
+    elif opts.gpu_overlap and farskip.enabled and opts.mode.own_communicator:
+        argv = argv + gpu_overlap_graph_args(given)
+
+    _check_cpu_engine(on_cpu, gpu, given.get("--device"))
+
+    status_dir = tempfile.mkdtemp(prefix="sglang-farskip-status-")
+    os.environ[ENV_STATUS] = status_dir
+
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_farskip.serve.refusals import unsupported, uses_side_stream
+    from sglang_farskip.options import publish
+    from sglang_farskip.serve.plugin import unregistered
+
+    load_plugins()
+    if unregistered():
+        raise LaunchError(
+            f"the sglang_farskip plugin did not register {unregistered()} (SGLang swallowed the "
+            "error; see the log above): reinstall with scripts/bootstrap.sh or `pip install --no-deps -e .`"
+        )
+    try:
+        server_args = prepare_server_args(argv)
+    except SystemExit as e:  # argparse already printed the problem
+        raise LaunchError(f"invalid SGLang arguments (exit {e.code}); see the message above") from None
+    try:
+        server_args.resolve_once()
+    except (ValueError, AssertionError) as e:
+        raise LaunchError(f"SGLang rejected the arguments: {e}") from None
+    resolved = resolving_view(server_args)
+    _check_mla_layout(server_args, config)
+    prefill_backend = getattr(resolved, "prefill_attention_backend", None) or resolved.attention_backend
+    if opts.cpu_attention == "mha" and prefill_backend != "torch_native":
+        raise LaunchError(
+            f"--farskip-cpu-attention mha runs with the torch_native attention backend only, not "
+            f"{prefill_backend!r}: drop --attention-backend/--prefill-attention-backend, or the flag"
+        )
+    if farskip.enabled and opts.mode is not FarSkipMode.OFF:
+        overlap = opts.mode.own_communicator
+        problems = unsupported(resolved, overlap=overlap,
+                               side_stream=overlap and uses_side_stream(resolved, opts),
+                               gpu_profiling=bool(opts.profile_dir) and not on_cpu)
+        if problems:
+            raise LaunchError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
+    publish(opts)  # every process SGLang starts from here on inherits them
+    launch_info = {
+        "model_path": model_path,
+        "demo": demo,
+        "served_model_name": resolved.served_model_name,
+        "device": "cpu" if on_cpu else resolved.device,
+        "farskip": farskip.to_hf_keys(),
+        "requested_mode": opts.mode.value if farskip.enabled else "off",
+        "options": json.loads(opts.to_json()),
+        "tp_size": resolved.tp_size,
+        "ep_size": resolved.ep_size,
+        "attn_dp_size": resolved.attn_dp_size or 1,  # DP attention (--dp with --enable-dp-attention)
+        "nnodes": resolved.nnodes,
+        "node_rank": resolved.node_rank,
+        "ready_timeout_s": own.farskip_ready_timeout,
+    }
+    return server_args, launch_info
+
+
+def _check_mla_layout(server_args, config: dict) -> None:
+    """SGLang picks the KV-cache layout from the architecture name; for Instella our plugin's
+    hook must have made it MLA, or the cache would be laid out per head and the model garbage."""
+    if checkpoint.architecture(config) != checkpoint.INSTELLA_ARCH:
+        return
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+    from sglang.srt.configs.model_config import AttentionArch
+
+    model_config = model_config_of(server_args)
+    if model_config.attention_arch != AttentionArch.MLA:
+        raise LaunchError(
+            f"SGLang derived a {model_config.attention_arch} KV-cache layout for {checkpoint.INSTELLA_ARCH}: "
+            "the sglang_farskip MLA hook is not active (see the log above for 'Failed to apply hooks'); "
+            "reinstall with scripts/bootstrap.sh"
+        )
+    logger.info("%s: MLA KV cache, latent %d + rope %d", checkpoint.INSTELLA_ARCH,
+                model_config.kv_lora_rank, model_config.qk_rope_head_dim)
+
+
+def _reexec_for_cpu_device(argv: list[str]) -> None:
+    """`--device cpu` on a machine with a GPU: start again with SGLANG_USE_CPU_ENGINE=1 set
+    before SGLang is imported (GivenArgs explains why)."""
+    from sglang_farskip.cpu.environment import cpu_base_environment, is_cpu_run
+
+    if is_cpu_run() or not _gpu_present():
+        return
+    own, rest = _split_own_flags(argv)
+    if _device(GivenArgs(rest), gpu=True) == "cpu":
+        logger.info("--device cpu on a machine with a GPU: restarting the launcher as a CPU run")
+        env = {**os.environ, **cpu_base_environment()}
+        os.execve(sys.executable, [sys.executable, "-m", "sglang_farskip.serve.launcher", *argv], env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _reexec_for_cpu_device(argv)
+        server_args, info = prepare(argv)
+    except (LaunchError, FarSkipConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.utils import kill_process_tree
+
+    resolved = resolving_view(server_args)
+    status_dir = os.environ[ENV_STATUS]
+    _add_info_route(status_dir, info)
+    if info["node_rank"] == 0:
+        host = "127.0.0.1" if resolved.host in ("0.0.0.0", "::") else resolved.host
+        base_url = f"http://{host}:{resolved.port}"
+        payload = json.dumps({"prompt": "The capital of France is", "max_tokens": 16,
+                              "temperature": 0, "stream": True})
+        curl = f"curl -N {base_url}/v1/completions -H 'Content-Type: application/json' -d '{payload}'"
+        ranks_here = max(1, info["tp_size"] // max(1, info["nnodes"]))
+        threading.Thread(
+            target=_wait_ready_and_verify,
+            args=(base_url, status_dir, ranks_here, info["ready_timeout_s"], curl),
+            daemon=True,
+        ).start()
+    try:
+        launch_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
