@@ -74,9 +74,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
-sys.path.insert(0, str(ROOT / "bench"))
-from overlap_bench import free_port  # noqa: E402
+from sglang_farskip.testbed.ports import free_port  # noqa: E402
 
 from sglang_farskip.serve.launcher import wait_healthy  # noqa: E402
 

@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
-sys.path.insert(0, str(ROOT / "tests"))  # serverutil: the tests' way to start and stop a real server
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -160,7 +158,7 @@ def run_fcsd(teacher: Path, data: Path, out: Path, seconds: float, *flags: str) 
 
 # ------------------------------------------------------------------------------------- serve
 def check_server(out: Path, data: Path, tokenizer) -> dict:
-    from serverutil import Server
+    from sglang_farskip.testbed.servers import Server
     from sglang_farskip.fcsd.student import FarSkipDeepseekV3ForCausalLM
 
     student = FarSkipDeepseekV3ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()

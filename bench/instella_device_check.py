@@ -39,8 +39,6 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 LOGPROB_TOL = 0.15
 NEW_TOKENS = 16
@@ -78,7 +76,7 @@ def check_backend(backend: str, ckpt: Path, device: str, ref) -> list[str]:
     """Problems found (empty = PASS)."""
     import torch
 
-    from serverutil import Server
+    from sglang_farskip.testbed.servers import Server
 
     args = ["--model-path", str(ckpt), "--attention-backend", backend, "--device", device]
     if device == "cpu":

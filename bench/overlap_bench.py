@@ -52,11 +52,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from sglang_farskip.testbed.netns import BENCH, shaped_link
+from sglang_farskip.testbed.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-NS = ("fsbench0", "fsbench1")
-VETH = ("fsb-veth0", "fsb-veth1")
-ADDR = ("10.250.0.1", "10.250.0.2")  # the two namespaces this script creates, nothing else
+NS, VETH, ADDR = BENCH.ns, BENCH.veth, BENCH.addr  # the two namespaces this script creates, nothing else
 
 
 # ------------------------------------------------------------------ client (runs in node 0's netns)
@@ -105,46 +106,6 @@ def client(args) -> dict:
 
 
 # ------------------------------------------------------------------ orchestration
-def sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True)
-
-
-@contextlib.contextmanager
-def shaped_link(rate: str, burst: str):
-    if os.geteuid() != 0:
-        sys.exit("error: --link shaped creates network namespaces and needs root (run with sudo)")
-    teardown()
-    try:
-        for ns in NS:
-            sh("ip", "netns", "add", ns)
-        sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-        for i in (0, 1):
-            sh("ip", "link", "set", VETH[i], "netns", NS[i])
-            sh("ip", "-n", NS[i], "addr", "add", f"{ADDR[i]}/24", "dev", VETH[i])
-            sh("ip", "-n", NS[i], "link", "set", VETH[i], "up")
-            sh("ip", "-n", NS[i], "link", "set", "lo", "up")
-            # Both directions shaped. A small burst on purpose: the token bucket refills while
-            # the link is idle, and a 64 KB bucket banked ~26 ms of 20 mbit per compute gap,
-            # which handed `sync` one sub-block of free overlap (a real link cannot bank idle
-            # time). The burst must still hold one MTU-sized packet.
-            sh("tc", "-n", NS[i], "qdisc", "add", "dev", VETH[i], "root", "tbf",
-               "rate", rate, "burst", burst, "latency", "50ms")
-        yield
-    finally:
-        teardown()
-
-
-def teardown() -> None:
-    for ns in NS:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 LAYOUTS = {"tp": ["--tp", "2"], "dp-attention": ["--tp", "2", "--dp", "2", "--enable-dp-attention"]}
 
 

@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
 
 
 def _best_us(fn, budget_s: float = 0.4, min_runs: int = 3) -> float:
@@ -164,8 +163,10 @@ def contention_worker(cfg: dict, tp: int, tokens: int, rank: int, init: str, sec
 
 
 def contention_probe(config: str, tp: int, tokens: int, rate: str, burst: str, seconds: float) -> dict:
-    sys.path.insert(0, str(REPO / "bench"))
-    from overlap_bench import ADDR, NS, VETH, free_port, shaped_link
+    from sglang_farskip.testbed.netns import BENCH, shaped_link
+    from sglang_farskip.testbed.ports import free_port
+
+    NS, VETH, ADDR = BENCH.ns, BENCH.veth, BENCH.addr
 
     with shaped_link(rate, burst):
         init = f"{ADDR[0]}:{free_port()}"

@@ -30,12 +30,8 @@ import urllib.error
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules, run as a script
-import loadstats  # noqa: E402
-import report  # noqa: E402
-import servermetrics  # noqa: E402
-import workload  # noqa: E402
-from servers import BenchError, check_reachable, machine_facts, make_note, server_facts, warm_up  # noqa: E402
+from sglang_farskip.loadtest import loadstats, report, servermetrics, workload
+from sglang_farskip.loadtest.servers import BenchError, check_reachable, machine_facts, make_note, server_facts, warm_up
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LABEL_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # labels become file names

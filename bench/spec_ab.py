@@ -32,7 +32,6 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
 import run_load  # noqa: E402
 
 BASE_PORT = 30100

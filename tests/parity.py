@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from serverutil import Server
+from sglang_farskip.testbed.servers import Server
 
 LOGPROB_ATOL = 1e-4
 NEW_TOKENS = 8

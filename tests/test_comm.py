@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from sglang_farskip.comm import Communicator, Handle, SideStreamAllReduce
 from sglang_farskip.profiler import GpuTiming, OverlapProfiler
 
-from serverutil import free_port
+from sglang_farskip.testbed.servers import free_port
 
 
 class TorchGroup:

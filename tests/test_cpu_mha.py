@@ -32,7 +32,7 @@ from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides
 from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, LOGPROB_ATOL, ONE_THREAD
-from serverutil import Server, assert_fails, free_port, launch
+from sglang_farskip.testbed.servers import Server, assert_fails, free_port, launch
 
 MHA = ["--farskip-cpu-attention", "mha"]
 CHUNKING = {"SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD": "32", "SGLANG_MAX_KV_CHUNK_CAPACITY": "48"}

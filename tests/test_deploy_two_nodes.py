@@ -36,10 +36,10 @@ from pathlib import Path
 
 import pytest
 
-import netns
-from netns import UNUSED_ADDR, BackgroundClient, Link, Node, client, node_env
+from sglang_farskip.testbed import netns
+from sglang_farskip.testbed.netns import UNUSED_ADDR, BackgroundClient, Link, Node, client, node_env
 from parity import FLOAT32, LOGPROB_ATOL, ONE_THREAD
-from serverutil import Server
+from sglang_farskip.testbed.servers import Server
 
 pytestmark = [
     pytest.mark.skipif(netns.available() is not None, reason=str(netns.available())),

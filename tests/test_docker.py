@@ -52,7 +52,7 @@ from pathlib import Path
 import pytest
 
 from docker_images import BUILD_TIMEOUT_S, VERSIONS, build, ensure_images, sh, versions
-from serverutil import Server, free_port
+from sglang_farskip.testbed.servers import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

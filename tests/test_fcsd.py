@@ -36,7 +36,7 @@ from sglang_farskip.fcsd.student import FarSkipDeepseekV3ForCausalLM
 from sglang_farskip.reference import load_reference
 
 from parity import LOGPROB_ATOL
-from serverutil import Server
+from sglang_farskip.testbed.servers import Server
 from speculative import SPEC_FLAGS
 
 LOGIT_ATOL = 1e-4

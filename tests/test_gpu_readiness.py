@@ -267,7 +267,7 @@ def test_device_check_scoring_sees_the_broken_lane(device_check):
     from sglang_farskip.reference import load_reference
 
     from parity import FLOAT32, ONE_THREAD
-    from serverutil import side_by_side
+    from sglang_farskip.testbed.servers import side_by_side
 
     ckpt = str(ensure_demo_checkpoint())
     rng = random.Random(1)

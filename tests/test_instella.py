@@ -30,7 +30,7 @@ from sglang_farskip.tools.demo_model import build_checkpoint, ensure_demo_checkp
 from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, LOGPROB_ATOL, ONE_THREAD, PROMPTS, assert_matches_reference, served
-from serverutil import Server, assert_fails, free_port, launch
+from sglang_farskip.testbed.servers import Server, assert_fails, free_port, launch
 
 LAYERS = [0, 1, 2, 3]
 

@@ -11,7 +11,7 @@ import pytest
 
 from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
 
-from serverutil import TIME_BOUND_S, assert_fails, launch
+from sglang_farskip.testbed.servers import TIME_BOUND_S, assert_fails, launch
 
 
 def write_config(path, **overrides) -> str:

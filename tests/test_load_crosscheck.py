@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from serverutil import REPO, Server
+from sglang_farskip.testbed.servers import REPO, Server
 
 KEPT_UP = 0.9  # a client's mean ITL over the server's, below which it read chunks in bursts
 

@@ -22,10 +22,9 @@ import pytest
 from PIL import Image
 
 from proxies import SSEProxy
-from serverutil import REPO, Server, free_port, run_load
+from sglang_farskip.testbed.servers import REPO, Server, free_port, run_load
 
-sys.path.insert(0, str(REPO / "bench"))
-import loadstats  # noqa: E402
+from sglang_farskip.loadtest import loadstats
 
 MAX_TOKENS = 12
 

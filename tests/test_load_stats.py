@@ -10,9 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import loadstats  # noqa: E402
-import servermetrics  # noqa: E402
+from sglang_farskip.loadtest import loadstats, servermetrics
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 101, 1000])
@@ -137,7 +135,7 @@ def _xc_result(h_ttft, s_ttft, h_itl, s_itl):
 
 
 def test_crosscheck_verdicts():
-    import crosscheck_sglang as xc
+    from sglang_farskip.loadtest import crosscheck as xc
 
     rng = random.Random(0)
     tight = [[0.020 + rng.uniform(-1e-4, 1e-4) for _ in range(10)] for _ in range(20)]
@@ -157,7 +155,7 @@ def test_crosscheck_verdicts():
 
 
 def test_crosscheck_drift_explained_by_server_is_inconclusive_not_disagree():
-    import crosscheck_sglang as xc
+    from sglang_farskip.loadtest import crosscheck as xc
 
     rng = random.Random(1)
     base = [[0.020 + rng.uniform(-1e-4, 1e-4) for _ in range(10)] for _ in range(20)]

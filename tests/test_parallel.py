@@ -31,7 +31,7 @@ from sglang_farskip.tools.demo_model import build_checkpoint
 from sglang_farskip.reference import load_reference
 
 from parity import FLOAT32, ONE_THREAD, PROMPTS, assert_matches_reference, served
-from serverutil import Server, free_port, side_by_side
+from sglang_farskip.testbed.servers import Server, free_port, side_by_side
 
 
 @pytest.fixture(scope="module")

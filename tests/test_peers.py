@@ -12,7 +12,7 @@ import time
 
 import torch.multiprocessing as mp
 
-from serverutil import free_port
+from sglang_farskip.testbed.servers import free_port
 
 DIST_TIMEOUT_S = 3
 SILENT_S = 30  # the longest rank 1 stays alive without posting a receive

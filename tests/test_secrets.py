@@ -20,7 +20,7 @@ import pytest
 from sglang_farskip.serve.redact import REDACTED, scrub, scrub_argv
 
 from parity import ONE_THREAD
-from serverutil import free_port, run_load, side_by_side
+from sglang_farskip.testbed.servers import free_port, run_load, side_by_side
 
 # Distinctive, so that a search of a log cannot hit anything else.
 KEY = "sk-farskip-test-key-5f3c9a"

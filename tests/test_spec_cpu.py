@@ -519,7 +519,7 @@ def spec_served(tmp_path_factory):
     """The three speculative servers side by side on one MTP checkpoint, with their results
     (sequential, then concurrent), and the reference's greedy tokens."""
     from parity import FLOAT32, ONE_THREAD
-    from serverutil import side_by_side
+    from sglang_farskip.testbed.servers import side_by_side
     from speculative import SPEC_FLAGS, ask_all, reference_greedy, spec_prompts
 
     from sglang_farskip.config import FarSkipConfig

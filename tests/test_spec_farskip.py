@@ -38,7 +38,7 @@ from sglang_farskip.config import FarSkipConfig
 from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides, predictable_mtp
 
 from parity import FLOAT32, ONE_THREAD
-from serverutil import REPO, free_port, run_load, side_by_side
+from sglang_farskip.testbed.servers import REPO, free_port, run_load, side_by_side
 from speculative import SPEC_FLAGS, ask_all, assert_greedy_equal, reference_greedy, spec_prompts
 
 START_TIMEOUT_S = 600  # several servers side by side on 2 cores
@@ -149,8 +149,7 @@ def test_speculative_farskip_equals_reference(served, expected, run):
 def test_load_harness_reports_the_accept_length(served):
     """The harness asks for SGLang's per-request verify counts (its sglext chunk on
     /v1/completions, meta_info on /generate) and reports output tokens per verify step."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import loadstats
+    from sglang_farskip.loadtest import loadstats
 
     draft_tokens = int(SPEC_FLAGS["eagle_tree"][SPEC_FLAGS["eagle_tree"].index("--speculative-num-draft-tokens") + 1])
     for endpoint, out in served["load"].items():

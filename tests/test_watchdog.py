@@ -18,7 +18,7 @@ import time
 import psutil
 
 from parity import ONE_THREAD
-from serverutil import REPO, free_port
+from sglang_farskip.testbed.servers import REPO, free_port
 
 from sglang_farskip.serve.watchdog import EXIT_UNHEALTHY
 

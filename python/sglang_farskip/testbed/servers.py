@@ -7,9 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +15,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from sglang_farskip.testbed.ports import free_port
+
+REPO = Path(__file__).resolve().parents[3]  # the checkout: python/sglang_farskip/testbed/
 START_TIMEOUT_S = 240  # a CPU start is 25-45 s here; CI machines are slower when busy
 
 # Test servers run upstream's one torch.compile'd function on this path eagerly: SGLang's CPU
@@ -27,57 +27,6 @@ START_TIMEOUT_S = 240  # a CPU start is 25-45 s here; CI machines are slower whe
 # reference compares with). The servers of tests/test_docker.py and the deployments of
 # tests/test_deploy_two_nodes.py run it compiled, as users do (`Server(..., eager=False)`).
 EAGER = {"TORCHDYNAMO_DISABLE": "1"}
-
-
-# Ports for servers and rendezvous come from below Linux's ephemeral range (32768-60999 by
-# default), where connect() never hands out a client port. Why: SGLang derives more ports from
-# the ones it is given and checks that they are free: under DP attention the HTTP port + 233 ..
-# + 240 on one node (ZMQ_TCP_PORT_DELTA, sglang/srt/server_args.py ~820), --dist-init-addr's
-# port + 1 .. + 7 across nodes. From an ephemeral HTTP port, that block is ephemeral too, and a
-# server started beside it (its gloo, ZMQ and HTTP client sockets) can hold one of those ports
-# for the whole start: CI saw a DP-attention server exit with 1 that way. SGLang's own picks
-# (the NCCL port) come from 22000-29999, so ours stay under 22000. Each call takes the next
-# block of PORT_STRIDE ports, so blocks handed out in one run do not overlap until the range
-# wraps (44 blocks, far more than the servers alive at once); pytest-xdist workers take
-# disjoint halves.
-PORT_RANGE = (10000, 21000)
-PORT_STRIDE = 250
-_DERIVED_OFFSETS = (0, *range(1, 8), *range(233, 241))
-_next_block = [None]
-
-
-def _port_range() -> tuple[int, int]:
-    low, high = PORT_RANGE
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw"):
-        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        width = (high - low) // max(workers, 1)
-        low += int(worker[2:]) * width
-        high = low + width
-    return low, high
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range whose SGLang-derived ports are free too."""
-    low, high = _port_range()
-    blocks = (high - low) // PORT_STRIDE
-    if _next_block[0] is None:
-        _next_block[0] = random.randrange(blocks)
-    for _ in range(blocks):
-        port = low + _next_block[0] * PORT_STRIDE
-        _next_block[0] = (_next_block[0] + 1) % blocks
-        if all(_bindable(port + offset) for offset in _DERIVED_OFFSETS):
-            return port
-    raise RuntimeError(f"no free block of {PORT_STRIDE} ports in {low}-{high} on this host")
 
 
 class Server:

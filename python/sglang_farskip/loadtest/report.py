@@ -8,7 +8,7 @@ import csv
 import json
 from pathlib import Path
 
-import plots
+from sglang_farskip.loadtest import plots
 
 CLIENT_COLUMNS = [
     f"{m}_{k}" for m in ("ttft", "itl", "tpot", "e2e")

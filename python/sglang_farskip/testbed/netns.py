@@ -3,7 +3,7 @@ node started through deploy/entrypoint.sh with its own /dev/shm, and a client th
 node 0's namespace. Needs root (`ip netns`); everything made here is removed by `Link.remove`
 and `Node.kill`, also after a failure.
 
-    python tests/netns.py client URL MAX_TOKENS TIMEOUT   (internal: the in-namespace client)
+    python -m sglang_farskip.testbed.netns client URL MAX_TOKENS TIMEOUT   (internal: the in-namespace client)
 """
 
 from __future__ import annotations
@@ -20,14 +20,24 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]  # the checkout: python/sglang_farskip/testbed/
 ENTRYPOINT = REPO / "deploy" / "entrypoint.sh"
 PY = sys.executable
 
-# Our own names and addresses (bench/overlap_bench.py uses fsbench*/fsb-veth*/10.250.0.x).
-NS = ("fstest0", "fstest1")
-VETH = ("fst-veth0", "fst-veth1")
-ADDR = ("10.251.0.1", "10.251.0.2")
+@dataclass(frozen=True)
+class Names:
+    """A pair of namespaces, their veth ends and addresses (a /24 between them)."""
+
+    ns: tuple[str, str]
+    veth: tuple[str, str]
+    addr: tuple[str, str]
+
+
+# The tests' pair, and the benchmarks' (bench/overlap_bench.py, bench/plan_testbed.py): apart, so
+# a benchmark run beside the suite never removes the suite's namespaces.
+TESTS = Names(("fstest0", "fstest1"), ("fst-veth0", "fst-veth1"), ("10.251.0.1", "10.251.0.2"))
+BENCH = Names(("fsbench0", "fsbench1"), ("fsb-veth0", "fsb-veth1"), ("10.250.0.1", "10.250.0.2"))
+NS, VETH, ADDR = TESTS.ns, TESTS.veth, TESTS.addr  # what Node, in_ns and node_env use
 UNUSED_ADDR = "10.251.0.9"  # in the veth's subnet, assigned to nobody: a wrong MASTER_ADDR
 
 
@@ -46,29 +56,53 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class Link:
-    """fstest0 <-> fstest1 over fst-veth0/fst-veth1, 10.251.0.1/24 and 10.251.0.2/24."""
+    """Two namespaces joined by a veth pair (`names`, the tests' by default), optionally shaped:
+    `create(rate, burst)` puts a token bucket on both directions."""
 
-    def create(self) -> "Link":
+    def __init__(self, names: Names = TESTS):
+        self.names = names
+
+    def create(self, rate: str | None = None, burst: str | None = None) -> "Link":
+        ns, veth, addr = self.names.ns, self.names.veth, self.names.addr
         self.remove()
-        for ns in NS:
-            _ip("netns", "add", ns)
-        _ip("link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
+        for name in ns:
+            _ip("netns", "add", name)
+        _ip("link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
         for i in (0, 1):
-            _ip("link", "set", VETH[i], "netns", NS[i])
-            _ip("-n", NS[i], "addr", "add", f"{ADDR[i]}/24", "dev", VETH[i])
-            _ip("-n", NS[i], "link", "set", VETH[i], "up")
-            _ip("-n", NS[i], "link", "set", "lo", "up")
+            _ip("link", "set", veth[i], "netns", ns[i])
+            _ip("-n", ns[i], "addr", "add", f"{addr[i]}/24", "dev", veth[i])
+            _ip("-n", ns[i], "link", "set", veth[i], "up")
+            _ip("-n", ns[i], "link", "set", "lo", "up")
+            if rate is not None:
+                # A small burst on purpose: the token bucket refills while the link is idle, and
+                # a 64 KB bucket banked ~26 ms of 20 mbit per compute gap, which handed `sync`
+                # one sub-block of free overlap (a real link cannot bank idle time). The burst
+                # must still hold one MTU-sized packet.
+                subprocess.run(["tc", "-n", ns[i], "qdisc", "add", "dev", veth[i], "root", "tbf",
+                                "rate", rate, "burst", burst, "latency", "50ms"], check=True, timeout=30)
         return self
 
     def set_up(self, rank: int, up: bool) -> None:
-        _ip("-n", NS[rank], "link", "set", VETH[rank], "up" if up else "down")
+        _ip("-n", self.names.ns[rank], "link", "set", self.names.veth[rank], "up" if up else "down")
 
     def remove(self) -> None:
-        for ns in NS:
-            kill_namespace_pids(ns)
-            _ip("netns", "del", ns, check=False)  # deletes the veth pair with it
+        for name in self.names.ns:
+            kill_namespace_pids(name)
+            _ip("netns", "del", name, check=False)  # deletes the veth pair with it
         # A veth left in the root namespace by an interrupted create().
-        _ip("link", "del", VETH[0], check=False)
+        _ip("link", "del", self.names.veth[0], check=False)
+
+
+@contextlib.contextmanager
+def shaped_link(rate: str, burst: str, names: Names = BENCH):
+    """The benchmarks' link: made, yielded, always removed."""
+    if os.geteuid() != 0:
+        sys.exit("error: a shaped link creates network namespaces and needs root (run with sudo)")
+    link = Link(names)
+    try:
+        yield link.create(rate, burst)
+    finally:
+        link.remove()
 
 
 def kill_namespace_pids(ns: str) -> None:
@@ -265,7 +299,7 @@ def run_client(url: str, payload: dict, path: str, timeout: float, echo: bool = 
 
 
 def client_cmd(port: int, payload: dict, path: str, timeout: float) -> list[str]:
-    return in_ns(0, [PY, __file__, "client", f"http://127.0.0.1:{port}", path,
+    return in_ns(0, [PY, "-m", "sglang_farskip.testbed.netns", "client", f"http://127.0.0.1:{port}", path,
                      json.dumps(payload), str(timeout)])
 
 

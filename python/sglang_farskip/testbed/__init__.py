@@ -1,0 +1,4 @@
+"""What tests/ and bench/ share to run real things on one machine: free ports (ports), real
+servers started and always killed (servers), two "nodes" in network namespaces joined by a veth
+pair, shaped or not (netns). It drives a source checkout (deploy/entrypoint.sh, bench/ scripts):
+REPO is the checkout this package sits in."""
