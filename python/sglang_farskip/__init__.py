@@ -1,8 +1,22 @@
-"""FarSkip-Collective DeepSeek-V3 for SGLang 0.5.23.
+"""FarSkip-Collective MoE models (DeepSeek-V3, Instella-MoE) served by SGLang 0.5.23.
 
-Modules: config (the one validated FarSkip config), reference (plain-PyTorch executable spec),
-models/ (the SGLang model class), plugin (registration in every SGLang process), comm (every
-collective), launch_server, demo_model, convert.
+The folders are the layers (README.md, "Layout", has a line per module):
+
+    the model        config.py, options.py, checkpoint.py   what a checkpoint and the launcher say
+                     schedule.py      the FarSkip lane loop, written once (SGLang-free)
+                     reference.py     the executable spec, plain PyTorch
+                     comm.py, nccl.py, profiler.py   every collective, as handles
+                     parallel.py      FarSkip's parallel set-up inside SGLang
+                     models/          the SGLang model classes: upstream's layers, the schedule
+    serving          serve/           launcher, plugin, refusals, status, redaction, timeouts, watchdog
+    SGLang on CPU    cpu/             environment and fixes, attention paths
+    tools            tools/           demo checkpoints, convert, patches
+                     plan.py          the planner (python -m sglang_farskip.plan)
+                     fcsd/            the self-distillation (python -m sglang_farskip.fcsd)
+    running things   testbed/         ports, servers, network namespaces (tests/ and bench/)
+                     loadtest/        the load harness's library (bench/run_load.py)
+
+`python -m sglang_farskip.launch_server` is the launcher's public name.
 """
 
 SGLANG_VERSION = "0.5.23"

@@ -718,7 +718,7 @@ def simulate(program: Program, contention: float, extra_us: float = 0.0) -> Run:
 
 # ================================================================== plan
 @dataclasses.dataclass
-class Plan:
+class Prediction:
     shape: Shape
     layout: Layout
     phase: Phase
@@ -751,7 +751,7 @@ class Plan:
 
 
 def make_plan(shape: Shape, layout: Layout, phase: Phase, ops, comm, contention: float, *,
-              overhead_us: float = 0.0, gather=None, scatter=None, attn_comm=None) -> Plan:
+              overhead_us: float = 0.0, gather=None, scatter=None, attn_comm=None) -> Prediction:
     if not 0 <= contention < 1:
         raise PlanError(f"--contention {contention}: must be in [0, 1)")
     c = layer_costs(shape, layout, phase, ops, comm, gather, scatter, attn_comm)
@@ -761,10 +761,10 @@ def make_plan(shape: Shape, layout: Layout, phase: Phase, ops, comm, contention:
             "sync": simulate(farskip_program(shape, c, True, dp), contention, extra),
             "overlap": simulate(farskip_program(shape, c, False, dp), contention, extra)}
     ideal = runs["overlap"] if contention == 0 else simulate(farskip_program(shape, c, False, dp), 0.0, extra)
-    return Plan(shape, layout, phase, c, contention, runs, ideal, ops.label, f"{comm.name}: {comm.source}")
+    return Prediction(shape, layout, phase, c, contention, runs, ideal, ops.label, f"{comm.name}: {comm.source}")
 
 
-def calibrate_to_sync_f(plan: Plan, f: float, ops, comm, overhead_us: float, extra: dict) -> Plan:
+def calibrate_to_sync_f(plan: Prediction, f: float, ops, comm, overhead_us: float, extra: dict) -> Prediction:
     """Scale every collective by one factor so that the sync run's exposed share is the measured
     f (a sync-mode profile gives it); compute keeps its per-op times. Ratios depend only on these
     proportions, so this predicts overlap/sync from a sync measurement alone."""
@@ -806,11 +806,11 @@ def _verdict(c: Collective, is_last: bool) -> str:
     return f"{c.stall_us:.0f} us exposed (queued behind the previous collective or slowed compute)"
 
 
-def shape_is_moe(plan: Plan, layer: int) -> bool:
+def shape_is_moe(plan: Prediction, layer: int) -> bool:
     return 0 <= layer < plan.shape.layers and plan.shape.is_moe(layer)
 
 
-def layer_view(plan: Plan) -> list[dict]:
+def layer_view(plan: Prediction) -> list[dict]:
     """One row per group of consecutive layers whose collectives fare alike (overlap run)."""
     run, last = plan.runs["overlap"], plan.runs["overlap"].collectives[-1].cid
     by_layer: dict[int, list] = {}
@@ -828,7 +828,7 @@ def layer_view(plan: Plan) -> list[dict]:
     return rows
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Prediction) -> str:
     s, L = plan.shape, plan.layout
     out = [f"{s.name}, {plan.phase.label()}, TP/EP {L.tp}" + (f" (DP attention {L.dp}, attention TP {L.attn_tp})" if L.dp > 1 else "")
            + f", {L.nodes} node{'s' if L.nodes > 1 else ''}, contention {plan.contention:.2f}",
@@ -882,7 +882,7 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(out)
 
 
-def plan_json(plan: Plan) -> dict:
+def plan_json(plan: Prediction) -> dict:
     n_win, n_all = plan.windowed_count
     return {
         "model": plan.shape.name, "farskip": plan.shape.farskip.to_hf_keys(),
@@ -901,7 +901,7 @@ def plan_json(plan: Plan) -> dict:
     }
 
 
-def plot_plans(plans: list[Plan], path: str) -> None:
+def plot_plans(plans: list[Prediction], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

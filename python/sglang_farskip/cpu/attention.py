@@ -120,8 +120,8 @@ def _padding_fits(forward_batch):
         forward_batch.seq_lens = seq_lens
 
 
-@functools.cache  # one class: cpu/spec.py subclasses it
-def _make_backend_class():
+@functools.cache  # one class: cpu/spec.py subclasses it into the backend SGLang builds
+def mla_prefill_backend_class():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     class TorchNativeMLAPrefillBackend(TorchNativeAttnBackend):
@@ -196,19 +196,17 @@ class _ChunkIndicesOnCpu:
 
 
 def install() -> None:
-    """Handler, backend and the two twins; every SGLang process (plugin load). Idempotent."""
+    """Handler and the two twins; every SGLang process (plugin load). Idempotent."""
     from sglang.srt.arg_groups.choices import (
         CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS,
         add_chunked_prefix_cache_attention_backend,
     )
     from sglang.srt.layers.attention import merge_state
-    from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.model_executor import forward_batch_deepseek_mha_mixin as mha_mixin
     from sglang.srt.models.deepseek_common import attention_backend_handler as abh
 
     abh.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
-    backend_cls = _make_backend_class()
-    register_attention_backend("torch_native")(lambda runner: backend_cls(runner))
+    # The backend class is registered once, by environment.apply_cpu_fixes (spec.backend_class).
     # Model loading switches the chunked-prefix path off for backends not on this list
     # (misc_utils.maybe_disable_chunked_prefix_cache); out-of-tree backends join it this way.
     if "torch_native" not in CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS:

@@ -162,6 +162,7 @@ def apply_cpu_fixes() -> None:
     global _applied
     if _applied:
         return
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_farskip.cpu import attention, spec
@@ -169,7 +170,11 @@ def apply_cpu_fixes() -> None:
     if multiprocessing.parent_process() is None:  # the launching process (with SGLang's own CLI)
         one_thread_until_workers_start()
     attention.install()
-    spec.install()  # after attention: it registers a subclass of attention's backend
+    spec.install()
+    # One torch_native backend, registered once: upstream's, plus MLA dispatch and MHA prefill
+    # (attention.py), plus target verify and draft decode (spec.py).
+    backend = spec.backend_class()
+    register_attention_backend("torch_native")(lambda runner: backend(runner))
     _make_native_moe_skip_foreign_experts()
     _make_reduce_scatterv_work_without_pynccl()
     HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config",

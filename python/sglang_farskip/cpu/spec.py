@@ -82,9 +82,9 @@ def _check_plain_self_attention(layer) -> None:
 def backend_class():
     """The torch_native backend SGLang builds on CPU: cpu_mha's (MLA dispatch, MHA prefill)
     plus target verify and the draft-decode step of the multi-step backend."""
-    from sglang_farskip.cpu import attention as cpu_mha
+    from sglang_farskip.cpu.attention import mla_prefill_backend_class
 
-    base = cpu_mha._make_backend_class()
+    base = mla_prefill_backend_class()
 
     class TorchNativeSpeculativeBackend(base):
         # Set by TorchNativeMultiStepDraftBackend on its per-step instances: (slot rows of
@@ -212,16 +212,13 @@ _installed = False
 
 
 def install() -> None:
-    """Register the backend under torch_native (after cpu_mha.install, whose class it extends)
-    and the two hooks. Idempotent; every SGLang process of a CPU run."""
+    """The two hooks (draft backends, embed/head on CPU). Idempotent; every SGLang process of a
+    CPU run. The backend itself is registered by environment.apply_cpu_fixes."""
     global _installed
     if _installed:
         return
-    from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    cls = backend_class()
-    register_attention_backend("torch_native")(lambda runner: cls(runner))
     HookRegistry.register("sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend",
                           _draft_backends_with_torch_native, HookType.AROUND)
     HookRegistry.register("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head",

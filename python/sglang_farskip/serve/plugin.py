@@ -25,12 +25,14 @@ import logging
 import os
 import sys
 
+from sglang_farskip.checkpoint import DEEPSEEK_V3_ARCH, INSTELLA_ARCH
+from sglang_farskip.cpu.environment import quiet_known_cpu_noise
+
 logger = logging.getLogger("sglang_farskip.serve.plugin")
 
-from sglang_farskip.cpu.environment import quiet_known_cpu_noise
-from sglang_farskip.checkpoint import DEEPSEEK_V3_ARCH, INSTELLA_ARCH
-
-# Before SGLang's imports that print it (SGLang imports this module, then its own, then calls it).
+# The one thing done at import: log and warning filters (nothing else, and nothing off CPU).
+# SGLang imports this module, then its own modules (which print the noise), then calls
+# register(): a filter installed in register() would come too late.
 quiet_known_cpu_noise()
 
 # SGLang's MLA branch in ModelConfig._derive_model_shapes (model_config.py:1366) keys on this name.
