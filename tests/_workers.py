@@ -9,7 +9,7 @@ checks, a server's single-threaded start-up. A second worker fills those gaps.
 - Each test file runs whole on one worker, so its module-scoped servers start once (xdist's
   loadfile).
 - Files that use the same host-wide names run on one worker, one after the other: the network
-  namespaces and veth pair of tests/netns.py. A scheduler of our own does this: xdist's
+  namespaces and veth pair of sglang_farskip/testbed/netns.py. A scheduler of our own does this: xdist's
   `xdist_group` marks do nothing under pytest 9.2 (xdist 3.8 renames `item._nodeid`, which
   pytest 9 no longer reads).
 - The longest files are handed out first (longest-processing-time first), so that both workers

@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "deploy" / "firewall.nft"
-NS = ("fsfw0", "fsfw1")  # our own names: tests/netns.py uses fstest*
+NS = ("fsfw0", "fsfw1")  # our own names: sglang_farskip/testbed/netns.py uses fstest*
 VETH = ("fsfw-veth0", "fsfw-veth1")
 NODE0, PEER, STRANGER = "10.252.0.1", "10.252.0.2", "10.252.0.3"
 MASTER_PORT, HTTP_PORT = 51000, 30000

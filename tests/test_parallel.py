@@ -104,7 +104,7 @@ def test_layout_matches_reference(checkpoints, layout, conversion):
 # the tests below, on three short prompts: a 2-token prefill, a 16-token prefill, and an extend
 # on that cached 16-token prefix; each decodes NEW_TOKENS.
 TP4 = ["--tp", "4", "--ep-size", "4"]
-TP4_START_TIMEOUT_S = 600  # serverutil's 240 s is for one or two ranks; four share 2 cores
+TP4_START_TIMEOUT_S = 600  # testbed.servers' 240 s is for one or two ranks; four share 2 cores
 TP4_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[1] + [7, 99, 512, 1023, 2047, 3000]]
 
 

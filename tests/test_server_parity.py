@@ -41,7 +41,7 @@ EXPECTED_LAYERS = {"all": [0, 1, 2, 3], "range": [2, 3], "attn_only": [0, 1, 2, 
 
 @pytest.fixture(scope="module")
 def farskip_served(checkpoints):
-    """The four conversions served side by side (serverutil.side_by_side says why), each with
+    """The four conversions served side by side (testbed.servers.side_by_side says why), each with
     its rank report and its served results."""
     runs = {name: {"args": ["--model-path", str(checkpoints[name]), *FLOAT32], "env": ONE_THREAD}
             for name in EXPECTED_LAYERS}

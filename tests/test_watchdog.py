@@ -82,7 +82,7 @@ def test_sigterm_reaches_the_server_and_its_status_is_returned(tmp_path):
 
 
 def test_the_server_dies_with_the_watchdog(tmp_path):
-    """A supervisor that SIGKILLs the watchdog's process group (tests/netns.py does, as would
+    """A supervisor that SIGKILLs the watchdog's process group (sglang_farskip/testbed/netns.py does, as would
     `kill -9` of the entrypoint) must not leave the server, in its own group, running."""
     log_path = tmp_path / "watchdog.log"
     with open(log_path, "w") as log:
