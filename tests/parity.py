@@ -14,10 +14,13 @@ equal: the demo weights keep top-2 logit gaps far above float32 noise.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import torch
 
 from sglang_farskip.testbed.servers import Server
+from sglang_farskip.tools import convert
+from sglang_farskip.tools.demo_model import build_checkpoint
 
 LOGPROB_ATOL = 1e-4
 NEW_TOKENS = 8
@@ -87,3 +90,11 @@ def assert_matches_reference(results: Served, reference, prompts: list[list[int]
         ref_top = torch.log_softmax(logits[len(prompt) - 1:].float(), -1).topk(len(top[0])).values
         assert torch.allclose(torch.tensor(top), ref_top, atol=LOGPROB_ATOL, rtol=0)
     return worst
+
+
+def full_and_range(root: Path) -> dict[str, Path]:
+    """The demo checkpoint (seed 0) and its conversion of layers 2-3 only, under `root`."""
+    full = build_checkpoint(root / "full", seed=0)
+    assert convert.main([str(full), str(root / "range"), "--start-layer", "2", "--end-layer", "3",
+                         "--force"]) == 0
+    return {"full": full, "range": root / "range"}

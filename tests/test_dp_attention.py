@@ -25,12 +25,11 @@ import urllib.request
 
 import pytest
 
-from sglang_farskip.tools import convert
 from sglang_farskip.config import FarSkipConfig
 from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides
 from sglang_farskip.reference import load_reference
 
-from parity import FLOAT32, ONE_THREAD, PROMPTS, assert_matches_reference, served
+from parity import FLOAT32, ONE_THREAD, PROMPTS, full_and_range, assert_matches_reference, served
 from sglang_farskip.testbed.servers import Server, free_port, side_by_side
 
 # Each prompt is sent to a chosen DP rank (not left to SGLang's load balancing, whose choice
@@ -53,11 +52,8 @@ DP_START_TIMEOUT_S = 600
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    full = build_checkpoint(root / "full", seed=0)
-    assert convert.main([str(full), str(root / "range"), "--start-layer", "2", "--end-layer", "3",
-                         "--force"]) == 0
     instella = build_checkpoint(root / "instella", seed=0, overrides=kind_overrides("instella"))
-    return {"full": full, "range": root / "range", "instella": instella}
+    return {**full_and_range(root), "instella": instella}
 
 
 def serve_both_ways(server: Server) -> dict:

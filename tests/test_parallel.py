@@ -26,21 +26,15 @@ import time
 
 import pytest
 
-from sglang_farskip.tools import convert
-from sglang_farskip.tools.demo_model import build_checkpoint
 from sglang_farskip.reference import load_reference
 
-from parity import FLOAT32, ONE_THREAD, PROMPTS, assert_matches_reference, served
+from parity import FLOAT32, ONE_THREAD, PROMPTS, full_and_range, assert_matches_reference, served
 from sglang_farskip.testbed.servers import Server, free_port, side_by_side
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    full = build_checkpoint(root / "full", seed=0)
-    assert convert.main([str(full), str(root / "range"), "--start-layer", "2", "--end-layer", "3",
-                         "--force"]) == 0
-    return {"full": full, "range": root / "range"}
+    return full_and_range(tmp_path_factory.mktemp("ckpt"))
 
 
 def test_tp2_overlap_is_bit_identical_to_sync_and_blocking_and_defers_waits(checkpoints, tmp_path):
