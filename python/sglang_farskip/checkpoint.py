@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from sglang_farskip.config import config_value
+from sglang_farskip.errors import UserError
 
 DEEPSEEK_V3_ARCH = "DeepseekV3ForCausalLM"
 INSTELLA_ARCH = "InstellaMoEForCausalLM"
@@ -28,29 +29,25 @@ CONFIG = "config.json"
 GATE_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.gate_proj\.weight$")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used. The message names the problem and the fix."""
-
-
 def read_config(path: str | Path, missing_hint: str) -> dict:
     """config.json of the checkpoint directory `path`; `missing_hint` says what to pass instead
     when `path` does not exist."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist: {missing_hint}")
+        raise UserError(f"checkpoint {str(path)!r} does not exist: {missing_hint}")
     if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is not a directory: pass the checkpoint directory (the one with {CONFIG})")
+        raise UserError(f"{str(path)!r} is not a directory: pass the checkpoint directory (the one with {CONFIG})")
     file = path / CONFIG
     if not file.exists():
-        raise CheckpointError(f"{path} has no {CONFIG}: pass a Hugging Face checkpoint directory ({CONFIG} + weights)")
+        raise UserError(f"{path} has no {CONFIG}: pass a Hugging Face checkpoint directory ({CONFIG} + weights)")
     try:
         cfg = json.loads(file.read_text())
     except OSError as e:
-        raise CheckpointError(f"cannot read {file}: {e.strerror}; fix its permissions") from None
+        raise UserError(f"cannot read {file}: {e.strerror}; fix its permissions") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}): fix or re-download it") from None
+        raise UserError(f"{file} is not valid JSON ({e}): fix or re-download it") from None
     if not isinstance(cfg, dict):
-        raise CheckpointError(f"{file} is not a JSON object: fix or re-download it")
+        raise UserError(f"{file} is not a JSON object: fix or re-download it")
     return cfg
 
 
@@ -59,7 +56,7 @@ def check_architecture(cfg: dict, path: str | Path, fix: str) -> None:
     archs = cfg.get("architectures")
     if not isinstance(archs, list) or not set(archs) & set(FARSKIP_ARCHS):
         found = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "no architectures key"
-        raise CheckpointError(
+        raise UserError(
             f"{path} is not a DeepSeek-V3 checkpoint (config.json architectures: {found}); FarSkip is only "
             f"defined for DeepSeek-V3 here: {fix} whose architectures list {' or '.join(FARSKIP_ARCHS)}"
         )
@@ -68,7 +65,7 @@ def check_architecture(cfg: dict, path: str | Path, fix: str) -> None:
 def num_layers(cfg: dict, path: str | Path) -> int:
     n = cfg.get("num_hidden_layers")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise CheckpointError(f"{path}/{CONFIG} has num_hidden_layers={n!r}: expected a positive integer; fix {CONFIG}")
+        raise UserError(f"{path}/{CONFIG} has num_hidden_layers={n!r}: expected a positive integer; fix {CONFIG}")
     return n
 
 
@@ -83,7 +80,7 @@ def gated_attention(cfg: Any) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise CheckpointError(f"config.json key 'gated_attention' must be true or false, got {value!r}: fix config.json")
+        raise UserError(f"config.json key 'gated_attention' must be true or false, got {value!r}: fix config.json")
     return value
 
 
