@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from sglang_farskip.config import config_value
 from sglang_farskip.errors import UserError
@@ -25,6 +25,7 @@ DEEPSEEK_V3_ARCH = "DeepseekV3ForCausalLM"
 INSTELLA_ARCH = "InstellaMoEForCausalLM"
 FARSKIP_ARCHS = (DEEPSEEK_V3_ARCH, INSTELLA_ARCH)  # what sglang_farskip registers with SGLang
 CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"  # safetensors shards: {"weight_map": {tensor: file}}
 
 GATE_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.gate_proj\.weight$")
 
@@ -143,21 +144,35 @@ def _span(layers: list[int]) -> str:
     return ", ".join(map(str, layers)) if len(layers) <= 6 else f"{layers[0]}..{layers[-1]} ({len(layers)} layers)"
 
 
+def weight_map(path: str | Path) -> dict[str, str] | None:
+    """{tensor name: shard file name} from the checkpoint's safetensors index; None without one."""
+    index = Path(path) / INDEX
+    if not index.is_file():
+        return None
+    return json.loads(index.read_text())["weight_map"]
+
+
+def shard_files(path: str | Path, holding: Callable[[str], object] | None = None) -> list[Path]:
+    """The checkpoint's safetensors files, the way SGLang's loader picks them: the shards the
+    index names, else every *.safetensors in the directory. The one place that knows this.
+
+    `holding`, a test on tensor names, narrows that to the shards the index says hold a
+    matching tensor (without an index there is nothing to narrow by: every shard)."""
+    path = Path(path)
+    names = weight_map(path)
+    if names is None:
+        return sorted(path.glob("*.safetensors"))
+    return sorted({path / f for name, f in names.items() if holding is None or holding(name)})
+
+
 def checkpoint_gate_shapes(path: str | Path) -> dict[int, tuple[int, ...]]:
     """{layer: shape} of every gate tensor in a safetensors checkpoint, read from the file
     headers only (a few KB per shard, whatever the checkpoint's size)."""
     from safetensors import safe_open
 
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({f for name, f in weight_map.items() if GATE_KEY.match(name)})
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
     shapes = {}
-    for file in files:
-        with safe_open(str(path / file), framework="pt") as f:
+    for file in shard_files(path, holding=GATE_KEY.match):
+        with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 m = GATE_KEY.match(name)
                 if m:

@@ -4,7 +4,6 @@ weight is loaded, and reported as one `error:` line with exit code 2."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from safetensors import safe_open
@@ -108,16 +107,16 @@ def check_teacher(path: Path) -> dict:
             f"{path}: moe_layer_freq={cfg['moe_layer_freq']}; transformers' DeepseekV3 (the student's modules) "
             f"makes every layer after first_k_dense_replace MoE, so only moe_layer_freq 1 is supported"
         )
-    if not any(path.glob("*.safetensors")):
+    if not checkpoint.shard_files(path):
         raise UserError(f"{path} has no *.safetensors weights: pass a checkpoint saved as safetensors")
     return cfg
 
 
 def _has_fp8_scales(path: Path) -> bool:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return any(k.endswith("weight_scale_inv") for k in json.loads(index.read_text()).get("weight_map", {}))
-    for f in sorted(path.glob("*.safetensors"))[:1]:
+    names = checkpoint.weight_map(path)
+    if names is not None:
+        return any(k.endswith("weight_scale_inv") for k in names)
+    for f in checkpoint.shard_files(path)[:1]:
         with safe_open(str(f), framework="pt") as st:
             return any(k.endswith("weight_scale_inv") for k in st.keys())
     return False
