@@ -190,12 +190,22 @@ def _cpu_setup(given: GivenArgs) -> list[str]:
     return extra
 
 
+# The flags that set prefill CUDA graphs; one given by the user (or a deployment) is kept.
+PREFILL_GRAPH_FLAGS = ("--cuda-graph-backend-prefill", "--disable-cuda-graph", "--disable-prefill-cuda-graph")
+
+
 def gpu_overlap_graph_args(given: GivenArgs) -> list[str]:
     """With the GPU side stream, prefill runs without CUDA graphs unless the user chose a
     prefill graph backend: SGLang's default on CUDA (breakable graphs) cuts the capture at every
     attention, where the routed sum would still be in flight, so the model then joins that sum
-    before attention and it overlaps nothing (docs/gpu-overlap.md)."""
-    if any(f in given for f in ("--cuda-graph-backend-prefill", "--disable-cuda-graph", "--disable-prefill-cuda-graph")):
+    before attention and it overlaps nothing (docs/gpu-overlap.md).
+
+    Only with the side stream: without it every FarSkip all-reduce on a GPU is SGLang's own,
+    waited where it is launched (`overlap` falls back to the `sync` schedule), so no sum is in
+    flight across a graph break and upstream's prefill graphs are as safe as for stock
+    DeepSeek-V3; turning them off there would only cost launch overhead. This is the one place
+    of the policy: deploy/entrypoint.sh adds no graph flag (tests/test_deploy_static.py)."""
+    if any(f in given for f in PREFILL_GRAPH_FLAGS):
         logger.info("GPU overlap: keeping the prefill CUDA-graph setting given; under a breakable "
                     "graph the routed all-reduce is joined before each attention (less overlap)")
         return []
