@@ -75,7 +75,9 @@ def own_parser() -> argparse.ArgumentParser:
     """The launcher's own flags; every other flag is SGLang's (`--help` shows SGLang's)."""
     parser = ArgumentParser(prog="python -m sglang_farskip.launch_server", add_help=False, allow_abbrev=False)
     parser.add_argument("--farskip-mode", choices=[m.value for m in FarSkipMode], default=None)
-    parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0)
+    parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0, metavar="S",
+                        help="seconds to wait for the first /health answer before checking that every "
+                        "rank built a FarSkip model (a later start is left unchecked)")
     parser.add_argument("--farskip-profile-dir", default=None,
                         help="record per-layer collective/wait timings into DIR (off by default)")
     parser.add_argument("--farskip-gpu-overlap", action="store_true",
