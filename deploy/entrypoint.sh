@@ -150,11 +150,6 @@ if ((loopback == 0)) && [[ -z "${API_KEY:-}" && "$FARSKIP_ALLOW_NO_API_KEY" != 1
   err "API_KEY is not set and the API would listen on HTTP_HOST=$HTTP_HOST: set API_KEY (clients send 'Authorization: Bearer <key>'), or set FARSKIP_ALLOW_NO_API_KEY=1 to serve without a key, or HTTP_HOST=127.0.0.1"
 fi
 
-case "$FARSKIP_MODE" in
-  overlap | sync | off) ;;
-  *) err "FARSKIP_MODE=$FARSKIP_MODE is not a FarSkip mode: use overlap, sync or off" ;;
-esac
-
 if [[ -z "${MODEL_PATH:-}" ]]; then
   err "MODEL_PATH is not set: set it to the checkpoint directory as seen inside the container (e.g. /models/DeepSeek-V3-FarSkip), or to 'demo' for the built-in tiny model"
 elif [[ "$MODEL_PATH" != demo ]]; then
@@ -182,6 +177,13 @@ esac
 
 if ! command -v "$FARSKIP_PYTHON" >/dev/null 2>&1; then
   err "FARSKIP_PYTHON=$FARSKIP_PYTHON is not an executable on PATH: set it to the Python that has sglang_farskip installed"
+# The modes are the launcher's own list (config.FarSkipMode, its --farskip-mode choices), asked
+# for rather than copied here: a copy drifted once (it lacked `blocking`). config.py is pure
+# Python, so this costs a bare interpreter start.
+elif ! modes="$("$FARSKIP_PYTHON" -c 'from sglang_farskip.config import FarSkipMode; print(*(m.value for m in FarSkipMode))' 2>/dev/null)"; then
+  err "FARSKIP_PYTHON=$FARSKIP_PYTHON cannot import sglang_farskip: set it to the Python that has sglang_farskip installed"
+elif [[ " $modes " != *" $FARSKIP_MODE "* || "$FARSKIP_MODE" == *" "* ]]; then
+  err "FARSKIP_MODE=$FARSKIP_MODE is not a FarSkip mode: use one of ${modes// /, }"
 fi
 
 multinode=0
@@ -343,10 +345,8 @@ unset API_KEY
 if ((multinode)); then
   cmd+=(--dist-init-addr "$dist_init_addr")
 fi
-if [[ "$FARSKIP_PLATFORM" == cuda ]]; then
-  # Prefill CUDA graphs are not yet validated with FarSkip's overlapped collectives.
-  cmd+=(--cuda-graph-backend-prefill disabled)
-fi
+# No CUDA-graph flags here: the launcher alone decides them (gpu_overlap_graph_args), because
+# only it knows whether the GPU side stream runs (tests/test_deploy_static.py checks this).
 if [[ -n "${EXTRA_ARGS:-}" ]]; then
   read -ra extra <<<"$EXTRA_ARGS"
   cmd+=("${extra[@]}")

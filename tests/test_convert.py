@@ -154,3 +154,19 @@ def _assert_clean_error(result: subprocess.CompletedProcess, words: list[str]) -
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert result.stdout == ""
+
+
+def test_shard_files_are_the_index_or_every_safetensors(tmp_path):
+    """checkpoint.shard_files, the one listing of a checkpoint's weight files (launcher gate
+    check, reference loader, FCSD): the index's shards when there is one, as SGLang loads."""
+    from sglang_farskip import checkpoint
+
+    for name in ("a.safetensors", "b.safetensors", "stray.safetensors", "notes.txt"):
+        (tmp_path / name).write_text("")
+    every = [tmp_path / n for n in ("a.safetensors", "b.safetensors", "stray.safetensors")]
+    assert checkpoint.shard_files(tmp_path) == every
+    index = {"weight_map": {"model.layers.0.self_attn.gate_proj.weight": "b.safetensors",
+                            "lm_head.weight": "a.safetensors"}}
+    (tmp_path / checkpoint.INDEX).write_text(json.dumps(index))
+    assert checkpoint.shard_files(tmp_path) == [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    assert checkpoint.shard_files(tmp_path, holding=checkpoint.GATE_KEY.match) == [tmp_path / "b.safetensors"]

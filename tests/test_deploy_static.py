@@ -516,6 +516,8 @@ def good_env(model: Path, **overrides) -> dict[str, str]:
         "PATH": os.environ["PATH"], "FARSKIP_PYTHON": sys.executable,
         "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "NET_IFNAME": "lo",
         "MODEL_PATH": str(model), "FARSKIP_PLATFORM": "rocm", "API_KEY": TEST_API_KEY,
+        # The entrypoint asks FARSKIP_PYTHON's sglang_farskip (its modes): this checkout's.
+        "PYTHONPATH": os.environ.get("PYTHONPATH"),
     }
     env.update(overrides)
     return {k: v for k, v in env.items() if v is not None}
@@ -564,7 +566,6 @@ def test_entrypoint_builds_the_two_node_command(model):
         "--port": "30000",
     }
     assert {k: flag(argv, k) for k in expected} == expected
-    assert "--cuda-graph-backend-prefill" not in argv
     settings = settings_of(proc)
     assert settings["GLOO_SOCKET_IFNAME"] == settings["NCCL_SOCKET_IFNAME"] == "lo"
     assert settings["SGLANG_HOST_IP"] == "127.0.0.1"
@@ -597,10 +598,34 @@ def test_entrypoint_platform_defaults_and_extra_flags(model):
     env = good_env(model, FARSKIP_PLATFORM="cuda", NODE_RANK="0", DIST_TIMEOUT="60",
                    EXTRA_ARGS="--mem-fraction-static 0.85")
     argv = command_of(check(env, "--log-level", "debug"))
-    assert flag(argv, "--cuda-graph-backend-prefill") == "disabled"
     assert flag(argv, "--dist-timeout") == "60"
     # EXTRA_ARGS, then the arguments, come last, so they win over the generated flags.
     assert argv[-4:] == ["--mem-fraction-static", "0.85", "--log-level", "debug"]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_entrypoint_leaves_cuda_graphs_to_the_launcher(model, platform):
+    """The prefill CUDA-graph policy lives in the launcher (gpu_overlap_graph_args: off only
+    with the GPU side stream). A graph flag added here would read as the user's choice there
+    and override it, as the entrypoint's blanket `--cuda-graph-backend-prefill disabled` did."""
+    from sglang_farskip.serve.launcher import PREFILL_GRAPH_FLAGS
+
+    argv = command_of(check(good_env(model, FARSKIP_PLATFORM=platform)))
+    assert not set(PREFILL_GRAPH_FLAGS) & set(argv), argv
+
+
+def test_entrypoint_accepts_exactly_the_launchers_modes(model):
+    """FARSKIP_MODE takes the launcher's --farskip-mode choices, no more and no fewer."""
+    from sglang_farskip.serve.launcher import own_parser
+
+    modes = next(a.choices for a in own_parser()._actions if "--farskip-mode" in a.option_strings)
+    for mode in modes:
+        assert flag(command_of(check(good_env(model, FARSKIP_MODE=mode))), "--farskip-mode") == mode
+    proc = check(good_env(model, FARSKIP_MODE="fast"))
+    assert proc.returncode == 2, proc.stderr
+    offered = re.search(r"FARSKIP_MODE=fast is not a FarSkip mode: use one of (.*)", proc.stderr)[1]
+    assert offered.split(", ") == list(modes)
+    assert check(good_env(model, FARSKIP_MODE="sync off")).returncode == 2  # one mode, not a list
 
 
 def test_entrypoint_single_node_demo(model):

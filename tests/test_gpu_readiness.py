@@ -44,7 +44,7 @@ for name, argv in json.loads(sys.argv[1]).items():
     try:
         L.prepare(["--device", "cpu", *argv])
         out[name] = {"error": None}
-    except L.LaunchError as e:
+    except L.UserError as e:
         out[name] = {"error": str(e)}
 graphs_on = types.SimpleNamespace(cuda_graph_config=default_cuda_graph_config(), tp_size=2)
 graphs_off = types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(
@@ -246,13 +246,13 @@ def test_device_check_summary_and_cpu_refusal(device_check):
 
 
 def test_drop_partial_is_validated():
-    from sglang_farskip.config import FarSkipConfigError
+    from sglang_farskip.errors import UserError
     from sglang_farskip.options import RuntimeOptions
 
     assert RuntimeOptions(drop_partial="routed:3").dropped_collective() == ("routed", 3)
     assert RuntimeOptions().dropped_collective() is None
     for bad in ("attn", "shared:1", "routed:x", "routed:-1"):
-        with pytest.raises(FarSkipConfigError, match="LANE:LAYER with LANE one of attn, attn\\+shared, routed"):
+        with pytest.raises(UserError, match="LANE:LAYER with LANE one of attn, attn\\+shared, routed"):
             RuntimeOptions(drop_partial=bad)
 
 

@@ -25,7 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sglang_farskip.config import FarSkipConfig, FarSkipConfigError
+from sglang_farskip.config import FarSkipConfig
+from sglang_farskip.errors import UserError
 from sglang_farskip.tools.demo_model import build_checkpoint, ensure_demo_checkpoint, kind_overrides
 from sglang_farskip.reference import load_reference
 
@@ -175,7 +176,7 @@ def test_integral_float_layer_index_is_accepted():
     """AMD's remote config class defaults farskip_end_idx to the float 1e4."""
     assert FarSkipConfig.from_hf_config({"farskip": True, "farskip_end_idx": 1e4}).end_idx == 10000
     for bad in (2.5, "3", True):
-        with pytest.raises(FarSkipConfigError, match="farskip_end_idx"):
+        with pytest.raises(UserError, match="farskip_end_idx"):
             FarSkipConfig.from_hf_config({"farskip": True, "farskip_end_idx": bad})
 
 

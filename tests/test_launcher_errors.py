@@ -37,7 +37,7 @@ for name, argv in json.load(sys.stdin).items():
         try:
             L.prepare(argv)
             out[name] = None
-        except (L.LaunchError, L.FarSkipConfigError) as e:
+        except L.UserError as e:
             out[name] = str(e)
 print("RESULTS " + json.dumps(out))
 """

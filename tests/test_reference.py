@@ -17,7 +17,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
-from sglang_farskip.config import FarSkipConfig, FarSkipConfigError
+from sglang_farskip.config import FarSkipConfig
+from sglang_farskip.errors import UserError
 from sglang_farskip.reference import load_reference
 
 # fp32 on a model this small: reference and transformers differ only in summation order
@@ -230,12 +231,12 @@ def test_farskip_read_from_config_json(main, tmp_path):
 
 def test_farskip_start_beyond_layers_raises(main, tmp_path):
     path, _ = main
-    with pytest.raises(FarSkipConfigError, match="farskip_start_idx"):
+    with pytest.raises(UserError, match="farskip_start_idx"):
         load_reference(path, farskip=FarSkipConfig(enabled=True, start_idx=4))
     cfg = json.load(open(os.path.join(path, "config.json")))
     json.dump({**cfg, "farskip": True, "farskip_start_idx": 7}, open(tmp_path / "config.json", "w"))
     os.symlink(os.path.join(path, "model.safetensors"), tmp_path / "model.safetensors")
-    with pytest.raises(FarSkipConfigError, match="farskip_start_idx"):
+    with pytest.raises(UserError, match="farskip_start_idx"):
         load_reference(str(tmp_path))
     load_reference(path, farskip=FarSkipConfig(enabled=True, start_idx=3))  # the last layer is fine
 

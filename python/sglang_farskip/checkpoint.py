@@ -16,20 +16,18 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from sglang_farskip.config import config_value
+from sglang_farskip.errors import UserError
 
 DEEPSEEK_V3_ARCH = "DeepseekV3ForCausalLM"
 INSTELLA_ARCH = "InstellaMoEForCausalLM"
 FARSKIP_ARCHS = (DEEPSEEK_V3_ARCH, INSTELLA_ARCH)  # what sglang_farskip registers with SGLang
 CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"  # safetensors shards: {"weight_map": {tensor: file}}
 
 GATE_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.gate_proj\.weight$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used. The message names the problem and the fix."""
 
 
 def read_config(path: str | Path, missing_hint: str) -> dict:
@@ -37,20 +35,20 @@ def read_config(path: str | Path, missing_hint: str) -> dict:
     when `path` does not exist."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist: {missing_hint}")
+        raise UserError(f"checkpoint {str(path)!r} does not exist: {missing_hint}")
     if not path.is_dir():
-        raise CheckpointError(f"{str(path)!r} is not a directory: pass the checkpoint directory (the one with {CONFIG})")
+        raise UserError(f"{str(path)!r} is not a directory: pass the checkpoint directory (the one with {CONFIG})")
     file = path / CONFIG
     if not file.exists():
-        raise CheckpointError(f"{path} has no {CONFIG}: pass a Hugging Face checkpoint directory ({CONFIG} + weights)")
+        raise UserError(f"{path} has no {CONFIG}: pass a Hugging Face checkpoint directory ({CONFIG} + weights)")
     try:
         cfg = json.loads(file.read_text())
     except OSError as e:
-        raise CheckpointError(f"cannot read {file}: {e.strerror}; fix its permissions") from None
+        raise UserError(f"cannot read {file}: {e.strerror}; fix its permissions") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}): fix or re-download it") from None
+        raise UserError(f"{file} is not valid JSON ({e}): fix or re-download it") from None
     if not isinstance(cfg, dict):
-        raise CheckpointError(f"{file} is not a JSON object: fix or re-download it")
+        raise UserError(f"{file} is not a JSON object: fix or re-download it")
     return cfg
 
 
@@ -59,7 +57,7 @@ def check_architecture(cfg: dict, path: str | Path, fix: str) -> None:
     archs = cfg.get("architectures")
     if not isinstance(archs, list) or not set(archs) & set(FARSKIP_ARCHS):
         found = ", ".join(map(str, archs)) if isinstance(archs, list) and archs else "no architectures key"
-        raise CheckpointError(
+        raise UserError(
             f"{path} is not a DeepSeek-V3 checkpoint (config.json architectures: {found}); FarSkip is only "
             f"defined for DeepSeek-V3 here: {fix} whose architectures list {' or '.join(FARSKIP_ARCHS)}"
         )
@@ -68,7 +66,7 @@ def check_architecture(cfg: dict, path: str | Path, fix: str) -> None:
 def num_layers(cfg: dict, path: str | Path) -> int:
     n = cfg.get("num_hidden_layers")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise CheckpointError(f"{path}/{CONFIG} has num_hidden_layers={n!r}: expected a positive integer; fix {CONFIG}")
+        raise UserError(f"{path}/{CONFIG} has num_hidden_layers={n!r}: expected a positive integer; fix {CONFIG}")
     return n
 
 
@@ -83,7 +81,7 @@ def gated_attention(cfg: Any) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise CheckpointError(f"config.json key 'gated_attention' must be true or false, got {value!r}: fix config.json")
+        raise UserError(f"config.json key 'gated_attention' must be true or false, got {value!r}: fix config.json")
     return value
 
 
@@ -146,21 +144,35 @@ def _span(layers: list[int]) -> str:
     return ", ".join(map(str, layers)) if len(layers) <= 6 else f"{layers[0]}..{layers[-1]} ({len(layers)} layers)"
 
 
+def weight_map(path: str | Path) -> dict[str, str] | None:
+    """{tensor name: shard file name} from the checkpoint's safetensors index; None without one."""
+    index = Path(path) / INDEX
+    if not index.is_file():
+        return None
+    return json.loads(index.read_text())["weight_map"]
+
+
+def shard_files(path: str | Path, holding: Callable[[str], object] | None = None) -> list[Path]:
+    """The checkpoint's safetensors files, the way SGLang's loader picks them: the shards the
+    index names, else every *.safetensors in the directory. The one place that knows this.
+
+    `holding`, a test on tensor names, narrows that to the shards the index says hold a
+    matching tensor (without an index there is nothing to narrow by: every shard)."""
+    path = Path(path)
+    names = weight_map(path)
+    if names is None:
+        return sorted(path.glob("*.safetensors"))
+    return sorted({path / f for name, f in names.items() if holding is None or holding(name)})
+
+
 def checkpoint_gate_shapes(path: str | Path) -> dict[int, tuple[int, ...]]:
     """{layer: shape} of every gate tensor in a safetensors checkpoint, read from the file
     headers only (a few KB per shard, whatever the checkpoint's size)."""
     from safetensors import safe_open
 
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({f for name, f in weight_map.items() if GATE_KEY.match(name)})
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
     shapes = {}
-    for file in files:
-        with safe_open(str(path / file), framework="pt") as f:
+    for file in shard_files(path, holding=GATE_KEY.match):
+        with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 m = GATE_KEY.match(name)
                 if m:

@@ -22,12 +22,10 @@ import dataclasses
 import enum
 from typing import Any, Mapping
 
+from sglang_farskip.errors import UserError
+
 DEFAULT_START_IDX = 0
 DEFAULT_END_IDX = 10000  # AMD's default: "every layer"
-
-
-class FarSkipConfigError(ValueError):
-    """A FarSkip setting that cannot run correctly. The message names the key and the fix."""
 
 
 class FarSkipMode(str, enum.Enum):
@@ -50,7 +48,7 @@ class FarSkipMode(str, enum.Enum):
             return cls(value)
         except ValueError:
             choices = ", ".join(m.value for m in cls)
-            raise FarSkipConfigError(
+            raise UserError(
                 f"unknown FarSkip mode {value!r}: choose one of {choices} (--farskip-mode)"
             ) from None
 
@@ -67,7 +65,7 @@ def _as_bool(cfg: Any, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise FarSkipConfigError(
+        raise UserError(
             f"config.json key {key!r} must be true or false, got {value!r}: fix config.json"
         )
     return value
@@ -81,7 +79,7 @@ def _as_int(cfg: Any, key: str, default: int) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise FarSkipConfigError(
+        raise UserError(
             f"config.json key {key!r} must be an integer layer index, got {value!r}: fix config.json"
         )
     return value
@@ -97,17 +95,17 @@ class FarSkipConfig:
 
     def __post_init__(self) -> None:
         if self.start_idx < 0:
-            raise FarSkipConfigError(
+            raise UserError(
                 f"farskip_start_idx is {self.start_idx}: it must be >= 0 (layers are 0-based)"
             )
         if self.end_idx < self.start_idx:
-            raise FarSkipConfigError(
+            raise UserError(
                 f"empty FarSkip layer range: farskip_start_idx={self.start_idx} > "
                 f"farskip_end_idx={self.end_idx}; set farskip_end_idx >= farskip_start_idx "
                 f"(the range is inclusive)"
             )
         if self.attn_only and self.mlp_only:
-            raise FarSkipConfigError(
+            raise UserError(
                 "attn_only_farskip and mlp_only_farskip are both true, which converts nothing: "
                 "set at most one of them (neither = rewire both inputs)"
             )
@@ -135,7 +133,7 @@ class FarSkipConfig:
     def check_layers(self, num_layers: int) -> None:
         """The range must hit at least one of the model's layers, or FarSkip is a silent no-op."""
         if self.enabled and self.start_idx >= num_layers:
-            raise FarSkipConfigError(
+            raise UserError(
                 f"farskip_start_idx={self.start_idx} but the model has only {num_layers} layers "
                 f"(0..{num_layers - 1}): no layer would be converted; lower farskip_start_idx"
             )

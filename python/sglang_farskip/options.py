@@ -17,7 +17,8 @@ import json
 import os
 from typing import Optional
 
-from sglang_farskip.config import FarSkipConfigError, FarSkipMode
+from sglang_farskip.config import FarSkipMode
+from sglang_farskip.errors import UserError
 
 ENV = "SGLANG_FARSKIP_OPTIONS"
 CPU_ATTENTION_CHOICES = ("absorbed", "mha")
@@ -43,23 +44,23 @@ class RuntimeOptions:
         object.__setattr__(self, "mode", FarSkipMode.parse(self.mode))
         for name in ("gpu_overlap", "force_side_stream"):
             if not isinstance(getattr(self, name), bool):
-                raise FarSkipConfigError(f"runtime option {name}={getattr(self, name)!r}: must be true or false")
+                raise UserError(f"runtime option {name}={getattr(self, name)!r}: must be true or false")
         ctas = self.side_max_ctas
         if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
-            raise FarSkipConfigError(f"--farskip-side-max-ctas {ctas}: give a positive CTA count")
+            raise UserError(f"--farskip-side-max-ctas {ctas}: give a positive CTA count")
         if self.cpu_attention not in (None, *CPU_ATTENTION_CHOICES):
-            raise FarSkipConfigError(
+            raise UserError(
                 f"--farskip-cpu-attention {self.cpu_attention!r}: choose one of {', '.join(CPU_ATTENTION_CHOICES)}"
             )
         if self.cpu_start_method not in CPU_START_METHODS:
-            raise FarSkipConfigError(
+            raise UserError(
                 f"--farskip-cpu-start-method {self.cpu_start_method!r}: choose one of {', '.join(CPU_START_METHODS)}"
             )
         if self.drop_partial is not None:
             self.dropped_collective()  # raises on a malformed value
         if self.profile_dir is not None and not os.path.isabs(self.profile_dir):
             # Workers may run in another directory than the launcher.
-            raise FarSkipConfigError(f"profile directory {self.profile_dir!r} must be an absolute path")
+            raise UserError(f"profile directory {self.profile_dir!r} must be an absolute path")
 
     def dropped_collective(self) -> Optional[tuple[str, int]]:
         """(lane, layer) of --farskip-test-drop-partial, or None."""
@@ -67,7 +68,7 @@ class RuntimeOptions:
             return None
         lane, _, layer = str(self.drop_partial).rpartition(":")
         if lane not in LANES or not layer.isdigit():
-            raise FarSkipConfigError(
+            raise UserError(
                 f"--farskip-test-drop-partial {self.drop_partial!r}: give LANE:LAYER with LANE one of "
                 f"{', '.join(LANES)} and LAYER a layer index, e.g. attn+shared:1"
             )
@@ -81,11 +82,11 @@ class RuntimeOptions:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
-            raise FarSkipConfigError(f"{ENV} is not valid JSON ({e}): start the server with sglang_farskip.serve.launcher") from None
+            raise UserError(f"{ENV} is not valid JSON ({e}): start the server with sglang_farskip.serve.launcher") from None
         known = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(raw, dict) or set(raw) - known:
             extra = sorted(set(raw) - known) if isinstance(raw, dict) else raw
-            raise FarSkipConfigError(
+            raise UserError(
                 f"{ENV} holds unknown options {extra}: it was written by another sglang_farskip version; "
                 "start the server with this version's launcher"
             )

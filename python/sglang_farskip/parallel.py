@@ -25,7 +25,8 @@ import torch
 
 from sglang_farskip.comm import Communicator, SideStreamAllReduce, fork_join_probe, nccl_all_reduce_
 from sglang_farskip.serve.refusals import unsupported, uses_side_stream
-from sglang_farskip.config import FarSkipConfigError, FarSkipMode
+from sglang_farskip.config import FarSkipMode
+from sglang_farskip.errors import UserError
 from sglang_farskip.options import RuntimeOptions
 from sglang_farskip.profiler import OverlapProfiler
 
@@ -44,7 +45,7 @@ def check_server_args(options: RuntimeOptions) -> None:
         gpu_profiling=bool(options.profile_dir) and str(args.device) != "cpu",
     )
     if problems:
-        raise FarSkipConfigError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
+        raise UserError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
 
 
 def reduction_group(parallel):
@@ -59,7 +60,7 @@ def reduction_group(parallel):
         others.insert(0, ("attention TP", parallel.attn_tp_group))
     for name, other in others:
         if other.world_size != group.world_size:
-            raise FarSkipConfigError(
+            raise UserError(
                 f"FarSkip needs the {name} reduction over the whole TP group "
                 f"({other.world_size} != {group.world_size} ranks): use --ep-size equal to "
                 f"--tp-size or 1, and no --moe-dense-tp-size"
@@ -72,14 +73,14 @@ def check_layers(layers, wiring) -> None:
 
     for k, (layer, w) in enumerate(zip(layers, wiring)):
         if w.is_moe != isinstance(layer.mlp, DeepseekV2MoE):
-            raise FarSkipConfigError(f"layer {k}: config and SGLang disagree on MoE vs dense")
+            raise UserError(f"layer {k}: config and SGLang disagree on MoE vs dense")
         if w.is_moe and layer.mlp.num_fused_shared_experts:
-            raise FarSkipConfigError(
+            raise UserError(
                 f"layer {k}: shared experts are fused into the routed kernel; FarSkip needs them "
                 "separate: pass --disable-shared-experts-fusion"
             )
         if w.is_moe and getattr(layer.mlp, "_shared_expert_tp1", False):
-            raise FarSkipConfigError(
+            raise UserError(
                 f"layer {k}: replicated (TP1) shared experts would be summed tp_size times on "
                 "FarSkip's attention lane: unset SGLANG_SHARED_EXPERT_TP1"
             )

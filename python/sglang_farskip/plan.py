@@ -48,13 +48,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, is_moe_layer
+from sglang_farskip.config import FarSkipConfig, is_moe_layer
+from sglang_farskip.errors import ArgumentParser, UserError, run_main
 
 BF16 = 2  # bytes per element of every partial sum the collectives carry
-
-
-class PlanError(Exception):
-    """Bad input: printed as one `error:` line, exit code 2."""
 
 
 # ================================================================== models
@@ -96,11 +93,11 @@ _REQUIRED = ("hidden_size", "num_hidden_layers", "n_routed_experts", "num_expert
 def shape_from_config(cfg: dict, name: str) -> Shape:
     missing = [k for k in _REQUIRED if cfg.get(k) is None]
     if missing:
-        raise PlanError(f"{name}: config.json lacks {', '.join(missing)} (a DeepSeek-V3-family config is needed)")
+        raise UserError(f"{name}: config.json lacks {', '.join(missing)} (a DeepSeek-V3-family config is needed)")
     try:
         farskip = FarSkipConfig.from_hf_config(cfg)
-    except FarSkipConfigError as e:
-        raise PlanError(f"{name}: {e}") from None
+    except UserError as e:
+        raise UserError(f"{name}: {e}") from None
     assumed = not farskip.enabled
     if assumed:  # planning a conversion: the default range converts every layer
         farskip = dataclasses.replace(farskip, enabled=True)
@@ -141,10 +138,10 @@ def load_shape(spec: str) -> Shape:
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise PlanError(f"--model {spec}: not a built-in name ({', '.join(BUILTIN_MODELS)}) "
+        raise UserError(f"--model {spec}: not a built-in name ({', '.join(BUILTIN_MODELS)}) "
                         f"and not a readable config.json ({e})") from None
     if not isinstance(cfg, dict):
-        raise PlanError(f"--model {spec}: config.json is not a JSON object")
+        raise UserError(f"--model {spec}: config.json is not a JSON object")
     return shape_from_config(cfg, path.parent.name or str(path))
 
 
@@ -256,10 +253,10 @@ def parse_nccl_tests(text: str, name: str, column: str = "in") -> CommTable:
                   "min": min(t for t in (in_t, out_t) if t is not None) if out_t is not None else None}[column]
         size = int(float(tok[0]))
         if picked is None or picked <= 0 or size <= 0:
-            raise PlanError(f"{name}: row {line!r} has no positive time")
+            raise UserError(f"{name}: row {line!r} has no positive time")
         points[size] = min(points.get(size, picked), picked)
     if len(points) < 2:
-        raise PlanError(f"{name}: no nccl-tests table found (need at least two rows of size, count, "
+        raise UserError(f"{name}: no nccl-tests table found (need at least two rows of size, count, "
                         f"type, redop, root, time, algbw, busbw, ...)")
     return CommTable(Path(name).name, f"measured: {name} ({column}-place column)", ranks or None,
                      tuple(sorted(points.items())))
@@ -271,7 +268,7 @@ def load_cluster(spec: str, column: str) -> CommTable:
     try:
         text = Path(spec).read_text(errors="replace")
     except OSError as e:
-        raise PlanError(f"--cluster {spec}: not a built-in table ({', '.join(BUILTIN_CLUSTERS)}) "
+        raise UserError(f"--cluster {spec}: not a built-in table ({', '.join(BUILTIN_CLUSTERS)}) "
                         f"and not a readable file ({e.strerror})") from None
     return parse_nccl_tests(text, spec, column)
 
@@ -376,10 +373,10 @@ class MeasuredOps:
         try:
             doc = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
-            raise PlanError(f"--ops {path}: not a readable JSON file ({e})") from None
+            raise UserError(f"--ops {path}: not a readable JSON file ({e})") from None
         rows = doc.get("per_op_us") if isinstance(doc, dict) else None
         if not isinstance(rows, list) or not rows:
-            raise PlanError(f"--ops {path}: no per_op_us list (schema: docs/planner.md)")
+            raise UserError(f"--ops {path}: no per_op_us list (schema: docs/planner.md)")
         self.table: dict[tuple[str, int], dict[int, dict[float, float]]] = {}
         for i, row in enumerate(rows):
             try:
@@ -388,7 +385,7 @@ class MeasuredOps:
             except (KeyError, TypeError):
                 ok = False
             if not ok:
-                raise PlanError(f"--ops {path}: per_op_us[{i}] is malformed: {row!r}")
+                raise UserError(f"--ops {path}: per_op_us[{i}] is malformed: {row!r}")
             self.table.setdefault((op, int(tp)), {}).setdefault(int(context), {})[float(tokens)] = float(us)
         self.label = f"measured: {doc.get('source', path)} ({doc.get('dtype', '?')})"
         self.extrapolated: set[str] = set()
@@ -401,7 +398,7 @@ class MeasuredOps:
             key = next((k for k in self.table if k[0] == op), key)
         if key not in self.table:
             have = sorted(t for o, t in self.table if o == op)
-            raise PlanError(f"--ops {self.path}: no {op} rows at tp={tp} (has tp {have or 'none'})")
+            raise UserError(f"--ops {self.path}: no {op} rows at tp={tp} (has tp {have or 'none'})")
         by_ctx = self.table[key]
         if op.startswith("attention"):
             # Only the contexts the interpolation uses are evaluated, so that a far one scaled
@@ -436,7 +433,7 @@ class MeasuredOps:
         xs = [max(v, 1) for v in xs]
         if len(xs) == 1:
             if not math.isclose(xs[0], x):
-                raise PlanError(f"--ops {self.path}: {what} measured only at {xs[0]:g}, needed at {x:g}")
+                raise UserError(f"--ops {self.path}: {what} measured only at {xs[0]:g}, needed at {x:g}")
             return ys[0]
         i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
         if x < xs[0] or x > xs[-1]:
@@ -753,7 +750,7 @@ class Prediction:
 def make_plan(shape: Shape, layout: Layout, phase: Phase, ops, comm, contention: float, *,
               overhead_us: float = 0.0, gather=None, scatter=None, attn_comm=None) -> Prediction:
     if not 0 <= contention < 1:
-        raise PlanError(f"--contention {contention}: must be in [0, 1)")
+        raise UserError(f"--contention {contention}: must be in [0, 1)")
     c = layer_costs(shape, layout, phase, ops, comm, gather, scatter, attn_comm)
     dp = layout.dp > 1
     extra = c.head + overhead_us
@@ -769,10 +766,10 @@ def calibrate_to_sync_f(plan: Prediction, f: float, ops, comm, overhead_us: floa
     f (a sync-mode profile gives it); compute keeps its per-op times. Ratios depend only on these
     proportions, so this predicts overlap/sync from a sync measurement alone."""
     if not 0 < f < 1:
-        raise PlanError(f"--sync-f {f}: must be in (0, 1)")
+        raise UserError(f"--sync-f {f}: must be in (0, 1)")
     sync = plan.runs["sync"]
     if not sync.comm_us:
-        raise PlanError("--sync-f: the layout has no collectives to scale")
+        raise UserError("--sync-f: the layout has no collectives to scale")
     factor = f * (sync.step_us - sync.exposed_us) / ((1 - f) * sync.exposed_us)
     scaled = {k: (v.scaled(factor, "") if v else None) for k, v in extra.items()}
     out = make_plan(plan.shape, plan.layout, plan.phase, ops, comm.scaled(factor, f"x{factor:.3g} (sync f {f:g})"),
@@ -782,11 +779,11 @@ def calibrate_to_sync_f(plan: Prediction, f: float, ops, comm, overhead_us: floa
 
 def check_layout(shape: Shape, layout: Layout) -> None:
     if layout.tp < 1 or layout.dp < 1 or layout.tp % layout.dp:
-        raise PlanError(f"--dp {layout.dp} must divide --tp {layout.tp}")
+        raise UserError(f"--dp {layout.dp} must divide --tp {layout.tp}")
     if shape.heads % layout.attn_tp:
-        raise PlanError(f"{shape.name}: {shape.heads} attention heads do not split over attention TP {layout.attn_tp}")
+        raise UserError(f"{shape.name}: {shape.heads} attention heads do not split over attention TP {layout.attn_tp}")
     if shape.experts % layout.tp:
-        raise PlanError(f"{shape.name}: {shape.experts} routed experts do not split over EP {layout.tp}")
+        raise UserError(f"{shape.name}: {shape.experts} routed experts do not split over EP {layout.tp}")
 
 
 # ================================================================== output
@@ -995,15 +992,15 @@ def _sizes(text: str, flag: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise PlanError(f"{flag} {text!r}: expected integers separated by commas") from None
+        raise UserError(f"{flag} {text!r}: expected integers separated by commas") from None
     if not vals or min(vals) < 1:
-        raise PlanError(f"{flag} {text!r}: expected positive integers")
+        raise UserError(f"{flag} {text!r}: expected positive integers")
     return vals
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="plan.py", description="Predict stock, FarSkip-sync and FarSkip-overlap step times on a cluster.",
+    p = ArgumentParser(
+        prog="python -m sglang_farskip.plan", description="Predict stock, FarSkip-sync and FarSkip-overlap step times on a cluster.",
         epilog="docs/planner.md: inputs, assumptions, how to measure a cluster, validation.")
     p.add_argument("--model", default="deepseek-v3",
                    help=f"built-in ({', '.join(BUILTIN_MODELS)}) or a config.json / checkpoint folder")
@@ -1052,7 +1049,7 @@ def _listing() -> str:
 def _comm_for(args, layout: Layout):
     if args.link_mbit:
         if args.cluster:
-            raise PlanError("--cluster and --link-mbit: pick one")
+            raise UserError("--cluster and --link-mbit: pick one")
         return LinkModel(f"link {args.link_mbit:g} Mbit/s", f"ring model, {args.link_latency_us:g} us per collective",
                          layout.tp, args.link_mbit, args.link_latency_us)
     name = args.cluster or ("mi300x-xgmi" if layout.nodes == 1 else "amd-good")
@@ -1101,11 +1098,7 @@ def run(argv: Optional[list] = None) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
-    try:
-        return run(argv)
-    except PlanError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_main(run, argv)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from .checkpoint import shard_files
 from .config import FarSkipConfig, is_moe_layer
 
 
@@ -340,13 +341,8 @@ _FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|
 def _read_checkpoint(path: str, num_layers: int):
     """Yield (name, tensor) over every shard, splitting fused 3-D expert tensors into HF's/DeepSeek's
     per-expert names, and dropping layers past num_hidden_layers (DeepSeek-V3's MTP layer 61)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        files = sorted(set(json.load(open(index))["weight_map"].values()))
-    else:
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    for file in files:
-        with safe_open(os.path.join(path, file), framework="pt") as f:
+    for file in shard_files(path):
+        with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 layer = re.match(r"model\.layers\.(\d+)\.", name)
                 if layer and int(layer.group(1)) >= num_layers:

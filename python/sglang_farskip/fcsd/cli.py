@@ -4,25 +4,20 @@ weight is loaded, and reported as one `error:` line with exit code 2."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 from safetensors import safe_open
 
 from .. import checkpoint
-from ..convert import ConvertError, OneLineErrorParser, farskip_from_args, read_source_config
 from ..config import FarSkipConfig
+from ..errors import ArgumentParser, UserError
+from ..tools.convert import farskip_from_args, read_source_config
 
 STATE_SUFFIX = ".fcsd-state"  # OUT_DIR + this: training state, metrics, resumable checkpoints
 
 
-class FCSDError(Exception):
-    """Bad input. The message names the problem and the fix."""
-
-
 def parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(
+    p = ArgumentParser(
         prog="python -m sglang_farskip.fcsd",
         description="FarSkip-Collective Self-Distillation: train a FarSkip copy of a DeepSeek-V3 checkpoint "
         "to match the original (forward KL at T=1 on the logits) and write it as a servable checkpoint. "
@@ -74,95 +69,87 @@ def check_teacher(path: Path) -> dict:
     """The teacher's config.json, if it is a stock, unquantised DeepSeek-V3 checkpoint."""
     try:
         cfg, _ = read_source_config(path)
-    except ConvertError as e:
-        raise FCSDError(str(e).replace("convert a checkpoint", "pass a teacher")) from None
+    except UserError as e:  # convert's words for convert's users
+        raise UserError(str(e).replace("convert a checkpoint", "pass a teacher")) from None
     # The student is transformers' DeepseekV3 built from the teacher's weights: it must start as
     # exactly the teacher, or the distillation starts from a different model than it serves.
     arch = checkpoint.architecture(cfg)
     try:
         gated = checkpoint.gated_attention(cfg)
-    except checkpoint.CheckpointError as e:
-        raise FCSDError(f"{path}: {e}") from None
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
     if arch != checkpoint.DEEPSEEK_V3_ARCH or gated:
-        raise FCSDError(
+        raise UserError(
             f"{path} is {arch}{' with gated attention' if gated else ''}: FCSD's student (transformers' "
             f"DeepseekV3) has no attention gate, so it could not start equal to this teacher; Instella-MoE is "
             f"FarSkip-native already (serve it as it is); FCSD takes {checkpoint.DEEPSEEK_V3_ARCH} checkpoints"
         )
     for key, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if cfg.get(key) not in (None, supported):
-            raise FCSDError(
+            raise UserError(
                 f"{path}: {key}={cfg[key]!r}; transformers' DeepseekV3 (the student's modules) routes with "
                 f"{key}={supported!r} only, so the student would not equal the teacher; FCSD cannot train this checkpoint"
             )
     if cfg.get("farskip") is True:
-        raise FCSDError(
+        raise UserError(
             f"{path} is already a FarSkip checkpoint (config.json farskip: true): FCSD needs the original model "
             f"as its teacher; pass the checkpoint it was made from"
         )
     quant = cfg.get("quantization_config")
     if quant or _has_fp8_scales(path):
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "weight_scale_inv tensors"
-        raise FCSDError(
+        raise UserError(
             f"{path} holds quantised weights ({method}); FCSD trains in bf16/fp32 and has no dequantisation "
             f"path: dequantise to bf16 first (e.g. DeepSeek-V3's inference/fp8_cast_bf16.py) and pass that copy"
         )
     if (cfg.get("moe_layer_freq") or 1) != 1:
-        raise FCSDError(
+        raise UserError(
             f"{path}: moe_layer_freq={cfg['moe_layer_freq']}; transformers' DeepseekV3 (the student's modules) "
             f"makes every layer after first_k_dense_replace MoE, so only moe_layer_freq 1 is supported"
         )
-    if not any(path.glob("*.safetensors")):
-        raise FCSDError(f"{path} has no *.safetensors weights: pass a checkpoint saved as safetensors")
+    if not checkpoint.shard_files(path):
+        raise UserError(f"{path} has no *.safetensors weights: pass a checkpoint saved as safetensors")
     return cfg
 
 
 def _has_fp8_scales(path: Path) -> bool:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return any(k.endswith("weight_scale_inv") for k in json.loads(index.read_text()).get("weight_map", {}))
-    for f in sorted(path.glob("*.safetensors"))[:1]:
+    names = checkpoint.weight_map(path)
+    if names is not None:
+        return any(k.endswith("weight_scale_inv") for k in names)
+    for f in checkpoint.shard_files(path)[:1]:
         with safe_open(str(f), framework="pt") as st:
             return any(k.endswith("weight_scale_inv") for k in st.keys())
     return False
 
 
 def validate(args: argparse.Namespace) -> tuple[dict, FarSkipConfig]:
-    """Raise FCSDError on the first bad input; returns (teacher config, FarSkip config)."""
+    """Raise UserError on the first bad input; returns (teacher config, FarSkip config)."""
     cfg = check_teacher(args.teacher)
-    try:
-        farskip = farskip_from_args(args, cfg["num_hidden_layers"])
-    except ConvertError as e:
-        raise FCSDError(str(e)) from None
+    farskip = farskip_from_args(args, cfg["num_hidden_layers"])
     if args.out.exists() or args.out.is_symlink():
-        raise FCSDError(f"output directory {args.out} exists: choose a new path (nothing is ever overwritten)")
+        raise UserError(f"output directory {args.out} exists: choose a new path (nothing is ever overwritten)")
     state = state_dir(args.out)
     if state.exists() and not args.resume:
-        raise FCSDError(f"{state} holds an interrupted run: pass --resume to continue it, or remove it")
+        raise UserError(f"{state} holds an interrupted run: pass --resume to continue it, or remove it")
     if args.resume and not state.exists():
-        raise FCSDError(f"--resume but {state} does not exist: start without --resume")
+        raise UserError(f"--resume but {state} does not exist: start without --resume")
     if not args.data.is_file():
-        raise FCSDError(f"data file {args.data} does not exist: pass a .txt or .jsonl file")
+        raise UserError(f"data file {args.data} does not exist: pass a .txt or .jsonl file")
     if args.data.suffix not in (".txt", ".jsonl"):
-        raise FCSDError(f"data file {args.data}: unknown format {args.data.suffix!r}; pass a .txt or .jsonl file")
+        raise UserError(f"data file {args.data}: unknown format {args.data.suffix!r}; pass a .txt or .jsonl file")
     if args.data.stat().st_size == 0:
-        raise FCSDError(f"data file {args.data} is empty: pass a file with training text")
+        raise UserError(f"data file {args.data} is empty: pass a file with training text")
     for name in ("batch_tokens", "seq_len", "micro_batch", "eval_every", "save_every", "log_every", "kl_chunk"):
         if getattr(args, name) < 1:
-            raise FCSDError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.batch_tokens % args.seq_len:
-        raise FCSDError(f"--batch-tokens {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
+        raise UserError(f"--batch-tokens {args.batch_tokens} is not a multiple of --seq-len {args.seq_len}")
     if not 0.0 <= args.ce_weight <= 1.0:
-        raise FCSDError(f"--ce-weight {args.ce_weight}: must be between 0 and 1")
+        raise UserError(f"--ce-weight {args.ce_weight}: must be between 0 and 1")
     if args.tokens < args.batch_tokens:
-        raise FCSDError(f"--tokens {args.tokens:g} is less than one step (--batch-tokens {args.batch_tokens})")
+        raise UserError(f"--tokens {args.tokens:g} is less than one step (--batch-tokens {args.batch_tokens})")
     return cfg, farskip
 
 
 def state_dir(out: Path) -> Path:
     return out.with_name(out.name + STATE_SUFFIX)
-
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2

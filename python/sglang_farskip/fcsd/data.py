@@ -17,9 +17,7 @@ from pathlib import Path
 
 import torch
 
-
-class DataError(ValueError):
-    """Unusable training data. The message names the file and the fix."""
+from ..errors import UserError
 
 
 def _documents(path: Path):
@@ -34,28 +32,28 @@ def _documents(path: Path):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not JSON ({e.msg}): each line must be one JSON object") from None
+            raise UserError(f"{path}:{n}: not JSON ({e.msg}): each line must be one JSON object") from None
         if isinstance(obj, dict) and isinstance(obj.get("text"), str):
             yield "text", obj["text"]
         elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):
             yield "messages", obj["messages"]
         else:
-            raise DataError(f'{path}:{n}: expected {{"text": str}} or {{"messages": [...]}}: fix that line')
+            raise UserError(f'{path}:{n}: expected {{"text": str}} or {{"messages": [...]}}: fix that line')
 
 
 def tokenize_file(path: Path, tokenizer) -> torch.Tensor:
     """All documents of `path` as one 1-D token tensor."""
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist: pass a .txt or .jsonl file")
+        raise UserError(f"data file {path} does not exist: pass a .txt or .jsonl file")
     if path.suffix not in (".txt", ".jsonl"):
-        raise DataError(f"data file {path}: unknown format {path.suffix!r}; pass a .txt or .jsonl file")
+        raise UserError(f"data file {path}: unknown format {path.suffix!r}; pass a .txt or .jsonl file")
     if tokenizer.eos_token_id is None:
-        raise DataError("the teacher's tokenizer has no EOS token to separate documents: fix its tokenizer_config.json")
+        raise UserError("the teacher's tokenizer has no EOS token to separate documents: fix its tokenizer_config.json")
     ids: list[int] = []
     for kind, doc in _documents(path):
         if kind == "messages":
             if not tokenizer.chat_template:
-                raise DataError(f"{path} has chat messages but the teacher's tokenizer has no chat template: use text")
+                raise UserError(f"{path} has chat messages but the teacher's tokenizer has no chat template: use text")
             text = tokenizer.apply_chat_template(doc, tokenize=False)
             ids += tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
@@ -70,7 +68,7 @@ class Windows:
     def __init__(self, tokens: torch.Tensor, seq_len: int, eval_windows: int, seed: int):
         n = tokens.numel() // seq_len
         if n < eval_windows + 1:
-            raise DataError(
+            raise UserError(
                 f"the data gives {tokens.numel()} tokens = {n} windows of --seq-len {seq_len}, but "
                 f"{eval_windows} are held out for evaluation and training needs at least one more: "
                 f"add data, or lower --seq-len / --eval-tokens"

@@ -18,18 +18,18 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import DeepseekV3ForCausalLM
 
+from .. import checkpoint
 from ..config import FarSkipConfig
 from .student import FarSkipDeepseekV3ForCausalLM
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 MTP_FILE = "model-mtp.safetensors"
-_INDEX = "model.safetensors.index.json"
-_SKIP = {"config.json", _INDEX, "pytorch_model.bin.index.json", "BUILD_INFO.json"}
+_SKIP = {"config.json", checkpoint.INDEX, "pytorch_model.bin.index.json", "BUILD_INFO.json"}
 
 
 def stored_dtype(teacher: Path) -> torch.dtype:
     """The floating dtype the teacher's weights are stored in (the output keeps it)."""
-    for file in sorted(teacher.glob("*.safetensors")):
+    for file in checkpoint.shard_files(teacher):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 t = f.get_slice(name)
@@ -45,7 +45,7 @@ def mtp_tensors(teacher: Path, cfg: dict) -> dict:
     first = cfg["num_hidden_layers"]
     prefixes = tuple(f"model.layers.{k}." for k in range(first, first + (cfg.get("num_nextn_predict_layers") or 0)))
     found = {}
-    for file in sorted(teacher.glob("*.safetensors")) if prefixes else []:
+    for file in checkpoint.shard_files(teacher, holding=lambda name: name.startswith(prefixes)) if prefixes else []:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name.startswith(prefixes):
@@ -59,7 +59,7 @@ def _add_mtp(tmp: Path, tensors: dict) -> None:
     if not tensors:
         return
     save_file(tensors, str(tmp / MTP_FILE), metadata={"format": "pt"})
-    index = tmp / _INDEX
+    index = tmp / checkpoint.INDEX
     if index.exists():
         data = json.loads(index.read_text())
         data["weight_map"].update({name: MTP_FILE for name in tensors})

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from .cli import FCSDError, fail, parser, state_dir, validate
-from .data import DataError, Windows, tokenize_file
+from ..errors import UserError, fail
+from .cli import parser, state_dir, validate
+from .data import Windows, tokenize_file
 from .models import build, init_runtime
 from .output import full_state_dict, write_checkpoint
 from .trainer import Trainer
@@ -28,11 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.teacher, trust_remote_code=args.trust_remote_code)
         except (OSError, ValueError) as e:
-            raise FCSDError(f"cannot load the teacher's tokenizer from {args.teacher} ({str(e).splitlines()[0]}): "
+            raise UserError(f"cannot load the teacher's tokenizer from {args.teacher} ({str(e).splitlines()[0]}): "
                             f"FCSD tokenises DATA with it; pass --trust-remote-code if the checkpoint ships its "
                             f"own tokenizer code") from None
         tokens = tokenize_file(args.data, tokenizer)
-    except (FCSDError, DataError) as e:
+    except UserError as e:
         return fail(str(e))
     rt = init_runtime()
     try:
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_windows = math.ceil(math.ceil(args.eval_tokens / args.seq_len) / rt.world) * rt.world
         try:
             windows = Windows(tokens, args.seq_len, eval_windows, args.seed)
-        except DataError as e:
+        except UserError as e:
             return fail(str(e))
         state = state_dir(args.out)
         if rt.main:

@@ -30,7 +30,7 @@ import torch
 from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
 
-from sglang_farskip.config import FarSkipConfigError
+from sglang_farskip.errors import UserError
 from sglang_farskip.checkpoint import GATE_KEY, gate_problems, gated_attention
 from sglang_farskip.models.deepseek_v3 import FarSkipDeepseekV3ForCausalLM
 
@@ -103,14 +103,11 @@ class InstellaMoEForCausalLM(FarSkipDeepseekV3ForCausalLM):
     `"gated_attention": true` adds the gate on every layer."""
 
     def _extend_layers(self, config) -> dict:
-        try:
-            self.gated = gated_attention(config)
-        except ValueError as e:
-            raise FarSkipConfigError(str(e)) from None
+        self.gated = gated_attention(config)  # raises UserError on a non-bool
         if self.gated:
             for k, layer in enumerate(self.model.layers):
                 if not hasattr(layer, "self_attn"):  # PPMissingLayer: another stage's layer
-                    raise FarSkipConfigError(
+                    raise UserError(
                         "gated attention (Instella-MoE) with pipeline parallelism is not supported: "
                         "remove --pp-size"
                     )
@@ -130,7 +127,7 @@ class InstellaMoEForCausalLM(FarSkipDeepseekV3ForCausalLM):
                     problems = gate_problems(self.config, gate_shapes)
                     wrong_now = [p for p in problems if "has shape" in p or "does not set" in p]
                     if wrong_now:  # before upstream's loader asserts without a message
-                        raise FarSkipConfigError(wrong_now[0])
+                        raise UserError(wrong_now[0])
                     name = name.replace(CKPT_GATE, PARAM_GATE)
                 yield name, tensor
 
@@ -138,7 +135,7 @@ class InstellaMoEForCausalLM(FarSkipDeepseekV3ForCausalLM):
             super().load_weights(renamed(), is_nextn=is_nextn)
         problems = gate_problems(self.config, gate_shapes)
         if problems:
-            raise FarSkipConfigError("; ".join(problems))
+            raise UserError("; ".join(problems))
 
 
 class _SkippedTensors(logging.Handler):
@@ -171,7 +168,7 @@ def _skipped_tensors_are_errors():
         loader_log.setLevel(level)
         loader_log.disabled = disabled
     if handler.messages:
-        raise FarSkipConfigError(
+        raise UserError(
             f"{len(handler.messages)} checkpoint tensor(s) match no parameter of the model "
             f"({'; '.join(handler.messages[:3])}): the checkpoint does not match its config.json"
         )

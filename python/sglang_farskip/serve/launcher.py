@@ -25,16 +25,13 @@ import urllib.request
 from pathlib import Path
 
 from sglang_farskip import checkpoint
-from sglang_farskip.config import FarSkipConfig, FarSkipConfigError, FarSkipMode
+from sglang_farskip.config import FarSkipConfig, FarSkipMode
+from sglang_farskip.errors import ArgumentParser, UserError, fail
 from sglang_farskip.options import CPU_START_METHODS, RuntimeOptions
 
 logger = logging.getLogger("sglang_farskip.launch")
 
 ENV_STATUS = "SGLANG_FARSKIP_STATUS_DIR"
-
-
-class LaunchError(Exception):
-    """A problem with the user's input: printed as one `error:` line, exit code 2."""
 
 
 DEMO_MODEL_NAMES = {"deepseek-v3": "farskip-demo", "instella": "farskip-demo-instella"}
@@ -64,7 +61,7 @@ class GivenArgs:
         try:
             namespace = parser.parse_args(argv)
         except SystemExit as e:  # argparse already printed the problem
-            raise LaunchError(f"invalid SGLang arguments (exit {e.code}); see the message above") from None
+            raise UserError(f"invalid SGLang arguments (exit {e.code}); see the message above") from None
         self._values = {k: v for k, v in vars(namespace).items() if v is not _UNSET}
 
     def __contains__(self, flag: str) -> bool:
@@ -74,10 +71,13 @@ class GivenArgs:
         return self._values.get(self._dest[flag], default)
 
 
-def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="sglang_farskip.serve.launcher", add_help=False, allow_abbrev=False)
+def own_parser() -> argparse.ArgumentParser:
+    """The launcher's own flags; every other flag is SGLang's (`--help` shows SGLang's)."""
+    parser = ArgumentParser(prog="python -m sglang_farskip.launch_server", add_help=False, allow_abbrev=False)
     parser.add_argument("--farskip-mode", choices=[m.value for m in FarSkipMode], default=None)
-    parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0)
+    parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0, metavar="S",
+                        help="seconds to wait for the first /health answer before checking that every "
+                        "rank built a FarSkip model (a later start is left unchecked)")
     parser.add_argument("--farskip-profile-dir", default=None,
                         help="record per-layer collective/wait timings into DIR (off by default)")
     parser.add_argument("--farskip-gpu-overlap", action="store_true",
@@ -97,45 +97,43 @@ def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--farskip-test-force-side-stream", action="store_true", help=argparse.SUPPRESS)
     # Test only (device_check's broken-lane control): LANE:LAYER sums zeros for one collective.
     parser.add_argument("--farskip-test-drop-partial", default=None, metavar="LANE:LAYER", help=argparse.SUPPRESS)
-    return parser.parse_known_args(argv)
+    return parser
+
+
+def _split_own_flags(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    return own_parser().parse_known_args(argv)
 
 
 # ---------------------------------------------------------------- checks before launch
 def read_checkpoint_config(model_path: str) -> dict:
-    try:
-        return checkpoint.read_config(
-            model_path,
-            missing_hint="pass a local checkpoint directory (download it first), or omit --model-path "
-            "to serve the built-in demo model",
-        )
-    except checkpoint.CheckpointError as e:
-        raise LaunchError(str(e)) from None
+    return checkpoint.read_config(
+        model_path,
+        missing_hint="pass a local checkpoint directory (download it first), or omit --model-path "
+        "to serve the built-in demo model",
+    )
 
 
 def check_farskip(config: dict, model_path: str) -> FarSkipConfig:
-    try:
+    try:  # the config's own messages name the key; this names the file
         farskip = FarSkipConfig.from_hf_config(config)
-    except FarSkipConfigError as e:
-        raise LaunchError(f"{model_path}/config.json: {e}") from None
-    try:
         problems = checkpoint.gate_problems(config, checkpoint.checkpoint_gate_shapes(model_path))
-    except checkpoint.CheckpointError as e:
-        raise LaunchError(f"{model_path}/config.json: {e}") from None
+    except UserError as e:
+        raise UserError(f"{model_path}/config.json: {e}") from None
     if problems:
-        raise LaunchError(f"{model_path}: {problems[0]}")
+        raise UserError(f"{model_path}: {problems[0]}")
     if not farskip.enabled:
         return farskip
     archs = config.get("architectures") or []
     if checkpoint.architecture(config) is None:
-        raise LaunchError(
+        raise UserError(
             f"{model_path}/config.json sets \"farskip\": true but the architecture is {archs}: "
             f"FarSkip is implemented for {' and '.join(checkpoint.FARSKIP_ARCHS)} only; remove the "
             "farskip keys or use one of those checkpoints"
         )
     try:
         farskip.check_layers(int(config.get("num_hidden_layers", 0)))
-    except FarSkipConfigError as e:
-        raise LaunchError(f"{model_path}/config.json: {e}") from None
+    except UserError as e:
+        raise UserError(f"{model_path}/config.json: {e}") from None
     return farskip
 
 
@@ -175,9 +173,9 @@ def _check_cpu_engine(on_cpu: bool, gpu: bool, device: str | None) -> None:
     if on_cpu == is_cpu_run():
         return
     if not gpu:
-        raise LaunchError(f"--device {device}, but torch sees no GPU (torch.cuda.is_available() is "
+        raise UserError(f"--device {device}, but torch sees no GPU (torch.cuda.is_available() is "
                           "False): drop --device to serve on CPU, or run on a machine with a GPU")
-    raise LaunchError(f"--device {device}, but SGLANG_USE_CPU_ENGINE=1 is set in the environment: unset it "
+    raise UserError(f"--device {device}, but SGLANG_USE_CPU_ENGINE=1 is set in the environment: unset it "
                       "for a GPU run, or drop --device")
 
 
@@ -194,12 +192,22 @@ def _cpu_setup(given: GivenArgs) -> list[str]:
     return extra
 
 
+# The flags that set prefill CUDA graphs; one given by the user (or a deployment) is kept.
+PREFILL_GRAPH_FLAGS = ("--cuda-graph-backend-prefill", "--disable-cuda-graph", "--disable-prefill-cuda-graph")
+
+
 def gpu_overlap_graph_args(given: GivenArgs) -> list[str]:
     """With the GPU side stream, prefill runs without CUDA graphs unless the user chose a
     prefill graph backend: SGLang's default on CUDA (breakable graphs) cuts the capture at every
     attention, where the routed sum would still be in flight, so the model then joins that sum
-    before attention and it overlaps nothing (docs/gpu-overlap.md)."""
-    if any(f in given for f in ("--cuda-graph-backend-prefill", "--disable-cuda-graph", "--disable-prefill-cuda-graph")):
+    before attention and it overlaps nothing (docs/gpu-overlap.md).
+
+    Only with the side stream: without it every FarSkip all-reduce on a GPU is SGLang's own,
+    waited where it is launched (`overlap` falls back to the `sync` schedule), so no sum is in
+    flight across a graph break and upstream's prefill graphs are as safe as for stock
+    DeepSeek-V3; turning them off there would only cost launch overhead. This is the one place
+    of the policy: deploy/entrypoint.sh adds no graph flag (tests/test_deploy_static.py)."""
+    if any(f in given for f in PREFILL_GRAPH_FLAGS):
         logger.info("GPU overlap: keeping the prefill CUDA-graph setting given; under a breakable "
                     "graph the routed all-reduce is joined before each attention (less overlap)")
         return []
@@ -214,7 +222,7 @@ def _check_stand_in() -> None:
     try:
         import sgl_kernel  # noqa: F401
     except ImportError:
-        raise LaunchError(
+        raise UserError(
             "sgl_kernel is not importable and the CPU stand-in is not installed: "
             "run scripts/bootstrap.sh (it installs python/cpu_shim)"
         ) from None
@@ -282,7 +290,7 @@ def _add_info_route(status_dir: str, launch_info: dict) -> None:
 
 # ---------------------------------------------------------------- main
 def prepare(argv: list[str]) -> tuple[object, dict]:
-    """Everything before the server starts; raises LaunchError on bad input."""
+    """Everything before the server starts; raises UserError on bad input."""
     own, argv = _split_own_flags(argv)
     gpu = _gpu_present()
     _cpu_engine_env_first(gpu)
@@ -298,7 +306,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         argv = argv + [f"--api-key={os.environ['FARSKIP_API_KEY']}"]
     demo = "--model-path" not in given
     if own.demo and not demo:
-        raise LaunchError("--demo picks a built-in model and --model-path a checkpoint: pass one of them")
+        raise UserError("--demo picks a built-in model and --model-path a checkpoint: pass one of them")
     if demo:
         from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
 
@@ -315,26 +323,23 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         logger.warning("--farskip-mode %s has no effect: %s is not a FarSkip checkpoint",
                        own.farskip_mode, model_path)
     if own.farskip_cpu_attention and not on_cpu:
-        raise LaunchError("--farskip-cpu-attention applies to CPU runs only; on a GPU the attention "
+        raise UserError("--farskip-cpu-attention applies to CPU runs only; on a GPU the attention "
                           "backend (--attention-backend) chooses the MLA prefill path: remove the flag")
     if own.farskip_cpu_start_method and not on_cpu:
-        raise LaunchError("--farskip-cpu-start-method applies to CPU runs only; on a GPU SGLang spawns its "
+        raise UserError("--farskip-cpu-start-method applies to CPU runs only; on a GPU SGLang spawns its "
                           "workers (a forked CUDA process cannot use the GPU): remove the flag")
     if own.farskip_profile_dir:
         os.makedirs(own.farskip_profile_dir, exist_ok=True)
-    try:
-        opts = RuntimeOptions(
-            mode=own.farskip_mode or FarSkipMode.OVERLAP,
-            gpu_overlap=own.farskip_gpu_overlap,
-            side_max_ctas=own.farskip_side_max_ctas,
-            profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None,
-            cpu_attention=own.farskip_cpu_attention,
-            cpu_start_method=own.farskip_cpu_start_method or "fork",
-            force_side_stream=own.farskip_test_force_side_stream,
-            drop_partial=own.farskip_test_drop_partial,
-        )
-    except FarSkipConfigError as e:
-        raise LaunchError(str(e)) from None
+    opts = RuntimeOptions(
+        mode=own.farskip_mode or FarSkipMode.OVERLAP,
+        gpu_overlap=own.farskip_gpu_overlap,
+        side_max_ctas=own.farskip_side_max_ctas,
+        profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None,
+        cpu_attention=own.farskip_cpu_attention,
+        cpu_start_method=own.farskip_cpu_start_method or "fork",
+        force_side_stream=own.farskip_test_force_side_stream,
+        drop_partial=own.farskip_test_drop_partial,
+    )
     if on_cpu:
         argv = argv + _cpu_setup(given)
         _check_stand_in()
@@ -356,23 +361,23 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
 
     load_plugins()
     if unregistered():
-        raise LaunchError(
+        raise UserError(
             f"the sglang_farskip plugin did not register {unregistered()} (SGLang swallowed the "
             "error; see the log above): reinstall with scripts/bootstrap.sh or `pip install --no-deps -e .`"
         )
     try:
         server_args = prepare_server_args(argv)
     except SystemExit as e:  # argparse already printed the problem
-        raise LaunchError(f"invalid SGLang arguments (exit {e.code}); see the message above") from None
+        raise UserError(f"invalid SGLang arguments (exit {e.code}); see the message above") from None
     try:
         server_args.resolve_once()
     except (ValueError, AssertionError) as e:
-        raise LaunchError(f"SGLang rejected the arguments: {e}") from None
+        raise UserError(f"SGLang rejected the arguments: {e}") from None
     resolved = resolving_view(server_args)
     _check_mla_layout(server_args, config)
     prefill_backend = getattr(resolved, "prefill_attention_backend", None) or resolved.attention_backend
     if opts.cpu_attention == "mha" and prefill_backend != "torch_native":
-        raise LaunchError(
+        raise UserError(
             f"--farskip-cpu-attention mha runs with the torch_native attention backend only, not "
             f"{prefill_backend!r}: drop --attention-backend/--prefill-attention-backend, or the flag"
         )
@@ -382,7 +387,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
                                side_stream=overlap and uses_side_stream(resolved, opts),
                                gpu_profiling=bool(opts.profile_dir) and not on_cpu)
         if problems:
-            raise LaunchError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
+            raise UserError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
     publish(opts)  # every process SGLang starts from here on inherits them
     launch_info = {
         "model_path": model_path,
@@ -412,7 +417,7 @@ def _check_mla_layout(server_args, config: dict) -> None:
 
     model_config = model_config_of(server_args)
     if model_config.attention_arch != AttentionArch.MLA:
-        raise LaunchError(
+        raise UserError(
             f"SGLang derived a {model_config.attention_arch} KV-cache layout for {checkpoint.INSTELLA_ARCH}: "
             "the sglang_farskip MLA hook is not active (see the log above for 'Failed to apply hooks'); "
             "reinstall with scripts/bootstrap.sh"
@@ -441,9 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _reexec_for_cpu_device(argv)
         server_args, info = prepare(argv)
-    except (LaunchError, FarSkipConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return fail(e)
 
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.entrypoints.http_server import launch_server

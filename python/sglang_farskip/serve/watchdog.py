@@ -32,6 +32,8 @@ import time
 import urllib.error
 import urllib.request
 
+from sglang_farskip.errors import ArgumentParser
+
 logger = logging.getLogger("sglang_farskip.serve.watchdog")
 
 # Distinct from the server's own statuses (a Python error is 1, a signal 128+N): the log and
@@ -135,7 +137,7 @@ def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m sglang_farskip.serve.watchdog",
         description="Run CMD; kill it and exit %d once URL has failed FAILURES checks in a "
                     "row after its first success." % EXIT_UNHEALTHY)

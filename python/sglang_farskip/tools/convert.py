@@ -24,14 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sglang_farskip.config import DEFAULT_END_IDX, FarSkipConfig, FarSkipConfigError
+from sglang_farskip.config import DEFAULT_END_IDX, FarSkipConfig
 from sglang_farskip import checkpoint
+from sglang_farskip.errors import ArgumentParser, UserError, fail
 
 CONFIG = checkpoint.CONFIG
-
-
-class ConvertError(Exception):
-    """A reason not to convert. The message names the problem and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +42,8 @@ class Plan:
     was_farskip: bool
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, with one `error:` line (and exit 2) instead of its usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message}: see `{self.prog} --help`\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(
+    p = ArgumentParser(
         prog="python -m sglang_farskip.tools.convert",
         description="Mark a DeepSeek-V3 Hugging Face checkpoint as FarSkip: DST gets a new "
         "config.json and symlinks to every other file of SRC.",
@@ -72,12 +62,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def read_source_config(src: Path) -> tuple[dict, int]:
     """SRC's config.json and its number of layers, if SRC is a checkpoint FarSkip is defined for."""
-    try:
-        cfg = checkpoint.read_config(src, missing_hint="pass the directory of a DeepSeek-V3 checkpoint")
-        checkpoint.check_architecture(cfg, src, fix="convert a checkpoint")
-        return cfg, checkpoint.num_layers(cfg, src)
-    except checkpoint.CheckpointError as e:
-        raise ConvertError(str(e)) from None
+    cfg = checkpoint.read_config(src, missing_hint="pass the directory of a DeepSeek-V3 checkpoint")
+    checkpoint.check_architecture(cfg, src, fix="convert a checkpoint")
+    return cfg, checkpoint.num_layers(cfg, src)
 
 
 def farskip_from_args(args: argparse.Namespace, num_layers: int) -> FarSkipConfig:
@@ -86,28 +73,25 @@ def farskip_from_args(args: argparse.Namespace, num_layers: int) -> FarSkipConfi
     end = DEFAULT_END_IDX if args.end_layer is None else args.end_layer
     last = num_layers - 1
     if args.attn_only and args.mlp_only:
-        raise ConvertError(
+        raise UserError(
             "--attn-only and --mlp-only together convert nothing: pass at most one (neither = rewire both inputs)"
         )
     if start < 0:
-        raise ConvertError(f"--start-layer {start} is negative: layers are numbered 0..{last}")
+        raise UserError(f"--start-layer {start} is negative: layers are numbered 0..{last}")
     if start > last:
-        raise ConvertError(
+        raise UserError(
             f"--start-layer {start} is beyond the model's last layer {last} ({num_layers} layers, 0-based): "
             f"no layer would be converted; pass --start-layer between 0 and {last}"
         )
     if end < start:
-        raise ConvertError(
+        raise UserError(
             f"empty layer range: --end-layer {end} < --start-layer {start} (the range is inclusive); "
             f"pass --end-layer >= --start-layer"
         )
-    try:
-        farskip = FarSkipConfig(
-            enabled=True, start_idx=start, end_idx=end, attn_only=args.attn_only, mlp_only=args.mlp_only
-        )
-        farskip.check_layers(num_layers)
-    except FarSkipConfigError as e:
-        raise ConvertError(str(e)) from None
+    farskip = FarSkipConfig(
+        enabled=True, start_idx=start, end_idx=end, attn_only=args.attn_only, mlp_only=args.mlp_only
+    )
+    farskip.check_layers(num_layers)
     return farskip
 
 
@@ -118,20 +102,20 @@ def _is_within(path: Path, parent: Path) -> bool:
 def _check_dst(src: Path, dst: Path, force: bool) -> None:
     src_real, dst_real = src.resolve(), dst.resolve()
     if dst_real == src_real:
-        raise ConvertError(f"DST {dst} is the source checkpoint itself: pass a new directory for the FarSkip copy")
+        raise UserError(f"DST {dst} is the source checkpoint itself: pass a new directory for the FarSkip copy")
     if _is_within(dst_real, src_real):
-        raise ConvertError(f"DST {dst} is inside SRC {src}: pass a directory outside the source checkpoint")
+        raise UserError(f"DST {dst} is inside SRC {src}: pass a directory outside the source checkpoint")
     if _is_within(src_real, dst_real):
-        raise ConvertError(f"SRC {src} is inside DST {dst}: replacing DST would delete it; pass another DST")
+        raise UserError(f"SRC {src} is inside DST {dst}: replacing DST would delete it; pass another DST")
     if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
         if not force:
-            raise ConvertError(f"DST {dst} exists and is not a directory: remove it, choose another path, or pass --force")
+            raise UserError(f"DST {dst} exists and is not a directory: remove it, choose another path, or pass --force")
     elif dst.is_dir() and any(dst.iterdir()) and not force:
-        raise ConvertError(f"DST {dst} exists and is not empty: choose a new directory, or pass --force to replace it")
+        raise UserError(f"DST {dst} exists and is not empty: choose a new directory, or pass --force to replace it")
 
 
 def plan(args: argparse.Namespace) -> Plan:
-    """Validate everything; raise ConvertError on the first problem. Writes nothing."""
+    """Validate everything; raise UserError on the first problem. Writes nothing."""
     src, dst = args.src, args.dst
     cfg, num_layers = read_source_config(src)
     farskip = farskip_from_args(args, num_layers)
@@ -196,12 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p = plan(args)
         write(p)
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return fail(e)
     except OSError as e:  # e.g. permission denied while writing; DST was left untouched
-        print(f"error: cannot write {args.dst}: {e}; check the path and its permissions", file=sys.stderr)
-        return 2
+        return fail(f"cannot write {args.dst}: {e}; check the path and its permissions")
     print(_summary(p))
     return 0
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Iterator
 
 from sglang_farskip.config import FarSkipConfig
+from sglang_farskip.errors import ArgumentParser
 
 LOG = logging.getLogger("sglang_farskip.demo")
 
@@ -600,7 +601,7 @@ def ensure_demo_checkpoint(cache_dir: Path | str | None = None, seed: int = 0, k
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m sglang_farskip.tools.demo_model",
         description="Build (once) a tiny FarSkip demo checkpoint and print its path.",
     )

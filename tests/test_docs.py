@@ -1,0 +1,48 @@
+"""The launcher's flags and the user pages agree: every `--farskip-*` flag the launcher defines
+is documented in README.md or docs/*.md, and every one those pages name exists. Fast: it reads
+the launcher's parser (no SGLang import) and the Markdown."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from sglang_farskip.serve.launcher import own_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FLAG = re.compile(r"--farskip-[a-z0-9]+(?:-[a-z0-9]+)*")
+
+
+def launcher_flags() -> tuple[set[str], set[str]]:
+    """(user flags, test-only flags): the second are hidden from --help (bench/device_check.py
+    passes them), so the pages may name them but need not."""
+    shown, hidden = set(), set()
+    for action in own_parser()._actions:
+        for option in action.option_strings:
+            if option.startswith("--farskip-"):
+                (hidden if action.help == argparse.SUPPRESS else shown).add(option)
+    return shown, hidden
+
+
+def documented_flags() -> dict[str, list[str]]:
+    """{flag: the pages that name it}."""
+    found: dict[str, list[str]] = {}
+    for page in PAGES:
+        for flag in set(FLAG.findall(page.read_text())):
+            found.setdefault(flag, []).append(page.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_every_launcher_flag_is_documented():
+    shown, _ = launcher_flags()
+    assert shown, "found no --farskip-* flag in the launcher's parser"
+    missing = sorted(shown - set(documented_flags()))
+    assert not missing, f"launcher flags no page documents (README.md, docs/*.md): {missing}"
+
+
+def test_every_documented_flag_exists():
+    shown, hidden = launcher_flags()
+    unknown = {flag: pages for flag, pages in documented_flags().items() if flag not in shown | hidden}
+    assert not unknown, f"pages name --farskip-* flags the launcher does not have: {unknown}"
