@@ -172,13 +172,12 @@ class Layer(torch.nn.Module):
         return self.shared(y), self.routed(y)
 
 
-class ShardOps:
+class ShardOps(schedule.UnfusedNorms):
     """schedule.LayerOps of one `Layer` for one forward (cos, sin: that forward's rope)."""
 
     def __init__(self, layer: Layer, cos, sin):
-        self.layer, self.cos, self.sin = layer, cos, sin
-        self.input_add_norm = schedule.add_then_norm(layer.input_layernorm)
-        self.post_add_norm = schedule.add_then_norm(layer.post_attention_layernorm)
+        super().__init__(layer)
+        self.cos, self.sin = cos, sin
 
     def attention(self, h):
         return self.layer.self_attn(h, self.cos, self.sin)

@@ -81,6 +81,20 @@ def add_then_norm(norm: Callable[[Tensor], Tensor]) -> AddNorm:
     return add_norm
 
 
+class UnfusedNorms:
+    """LayerOps' two add+norms for a layer module holding plain `input_layernorm` and
+    `post_attention_layernorm` norms (transformers' names, kept by the bench stack too)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def input_add_norm(self, x: Tensor, s: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        return add_then_norm(self.layer.input_layernorm)(x, s)
+
+    def post_add_norm(self, x: Tensor, s: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        return add_then_norm(self.layer.post_attention_layernorm)(x, s)
+
+
 class LayerOps(Protocol):
     """One decoder layer's compute on one rank. Every output is a partial: nothing here reduces."""
 

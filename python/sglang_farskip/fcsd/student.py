@@ -36,13 +36,12 @@ from ..config import FarSkipConfig
 ONE_RANK = schedule.OneRank()
 
 
-class _StudentOps:
+class _StudentOps(schedule.UnfusedNorms):
     """schedule.LayerOps of one transformers decoder layer, for one forward."""
 
     def __init__(self, layer: DeepseekV3DecoderLayer, position_embeddings, attention_mask):
-        self.layer, self.rope, self.mask = layer, position_embeddings, attention_mask
-        self.input_add_norm = schedule.add_then_norm(layer.input_layernorm)
-        self.post_add_norm = schedule.add_then_norm(layer.post_attention_layernorm)
+        super().__init__(layer)
+        self.rope, self.mask = position_embeddings, attention_mask
 
     def attention(self, h):
         return self.layer.self_attn(h, self.rope, self.mask)[0]
