@@ -75,6 +75,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from sglang_farskip import reference as R  # noqa: E402
+from sglang_farskip import schedule  # noqa: E402
+from sglang_farskip.schedule import LayerWiring  # noqa: E402
 from sglang_farskip.comm import (Communicator, SideStreamAllReduce, fork_join_probe,  # noqa: E402
                                  nccl_all_reduce_)
 
@@ -146,15 +148,9 @@ class Layer(torch.nn.Module):
         else:
             self.dense = R.MLP(w.hidden, w.inter // tp)
 
-    def attention(self, x, cos, sin):
-        return self.self_attn(self.input_layernorm(x), cos, sin)
-
-    def mlp(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(shared or dense partial, routed partial or None). Routed: every local expert on
-        every token, weighted by the router (0 where not picked): no host sync, so it captures."""
-        y = self.post_attention_layernorm(x)
-        if not self.moe:
-            return self.dense(y), None
+    def routed(self, y: torch.Tensor) -> torch.Tensor:
+        """Routed partial: every local expert on every token, weighted by the router (0 where
+        not picked): no host sync, so it captures."""
         idx, weights = self.router(y)
         mix = torch.zeros(y.shape[0], self.router.args.n_routed_experts, dtype=weights.dtype,
                           device=y.device).scatter_add_(1, idx, weights)
@@ -162,7 +158,38 @@ class Layer(torch.nn.Module):
         r = torch.zeros_like(y)
         for e, expert in enumerate(self.experts):
             r = r + expert(y) * mix[:, e:e + 1]
-        return self.shared(y), r
+        return r
+
+    # The spec's view (spec_forward): each sub-block on its un-normed input.
+    def attention(self, x, cos, sin):
+        return self.self_attn(self.input_layernorm(x), cos, sin)
+
+    def mlp(self, x) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(shared or dense partial, routed partial or None)."""
+        y = self.post_attention_layernorm(x)
+        if not self.moe:
+            return self.dense(y), None
+        return self.shared(y), self.routed(y)
+
+
+class ShardOps(schedule.UnfusedNorms):
+    """schedule.LayerOps of one `Layer` for one forward (cos, sin: that forward's rope)."""
+
+    def __init__(self, layer: Layer, cos, sin):
+        super().__init__(layer)
+        self.cos, self.sin = cos, sin
+
+    def attention(self, h):
+        return self.layer.self_attn(h, self.cos, self.sin)
+
+    def dense_mlp(self, y):
+        return self.layer.dense(y)
+
+    def shared_experts(self, y):
+        return self.layer.shared(y)
+
+    def routed_experts(self, y):
+        return self.layer.routed(y)
 
 
 class Stack(torch.nn.Module):
@@ -171,6 +198,9 @@ class Stack(torch.nn.Module):
         self.w, self.tp, self.rank = w, tp, rank
         self.layers = torch.nn.ModuleList(Layer(w, tp, rank, moe=k > 0) for k in range(layers))
         self.final_norm = R.RMSNorm(w.hidden, 1e-6)
+        # Every layer converted (full FarSkip), as the spec_forward below computes.
+        self.wiring = [LayerWiring(attn_skips_prev_routed=True, mlp_skips_attn=True, is_moe=layer.moe)
+                       for layer in self.layers]
         inv_freq, _ = R.rope_frequencies(model_args(w, tp))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -227,34 +257,58 @@ def spec_forward(shards: list[Stack], x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def farskip_forward(stack: Stack, x: torch.Tensor, comm: Communicator, broken: str = "none") -> torch.Tensor:
-    """The FarSkip schedule of models/deepseek_v3.py on this rank's shard: the attention lane
-    (a + s) waited before the next attention, the routed lane (r) in flight across it and
-    waited before the next MLP. `broken` (test only) breaks layer BROKEN_LAYER's attention
-    lane: its a + s is never zero, while at one rank of EP=16 a token's routed part often is
-    (none of its 8 experts local), which would leave a broken routed lane invisible."""
+    """The served FarSkip schedule (sglang_farskip.schedule, as models/deepseek_v3.py runs it)
+    on this rank's shard. `broken` (test only) breaks layer BROKEN_LAYER's attention lane
+    through the communicator (`BrokenLane`), outside the schedule."""
     cos, sin = stack.rope(x.shape[0], x.dtype, x.device)
-    attn_lane = routed_lane = None
-    for k, layer in enumerate(stack.layers):
-        if attn_lane is not None:
-            if broken == "drop-partial" and k == BROKEN_LAYER + 1:
-                attn_lane.wait()  # joined, then left out of the residual
-            elif broken == "skip-join" and k == BROKEN_LAYER + 1:
-                x = x + attn_lane._tensor  # noqa: SLF001 - the missing join, on purpose
-                attn_lane.join()  # joined after the read, so no stream is left forked
-            else:
-                x = x + attn_lane.wait()  # h[k-1] - r[k-1]
-        a = layer.attention(x, cos, sin)
-        comm.mark_compute()
-        if routed_lane is not None:
-            x = x + routed_lane.wait()  # h[k-1]
-        s, r = layer.mlp(x)
-        comm.mark_compute()
-        attn_lane = comm.start_all_reduce(a + s, lane="attn+shared", layer=k)
-        routed_lane = comm.start_all_reduce(r, lane="routed", layer=k) if r is not None else None
-    x = x + attn_lane.wait()
-    if routed_lane is not None:
-        x = x + routed_lane.wait()
-    return stack.final_norm(x)
+    if broken != "none":
+        comm = BrokenLane(comm, broken)
+    layers = [ShardOps(layer, cos, sin) for layer in stack.layers]
+    x, lanes = schedule.run_layers(x, layers, stack.wiring, comm)
+    return schedule.finish(x, lanes, schedule.add_then_norm(stack.final_norm))
+
+
+class BrokenLane:
+    """A communicator whose layer-BROKEN_LAYER "attn+shared" sum misbehaves at its wait:
+    `drop-partial` joins it and hands back zeros (the a + s never reaches the residual);
+    `skip-join` reads the tensor before the join (on a GPU the side stream may still be writing
+    it; on the CPU the probe holds it doubled). The attention lane, because its a + s is never
+    zero, while at one rank of EP=16 a token's routed part often is (none of its 8 experts
+    local), which would leave a broken routed lane invisible."""
+
+    def __init__(self, comm: Communicator, broken: str):
+        assert broken in BROKEN[1:], broken
+        self.comm, self.broken = comm, broken
+
+    def start_all_reduce(self, tensor, *, lane: str = "", layer: int = -1):
+        handle = self.comm.start_all_reduce(tensor, lane=lane, layer=layer)
+        if (lane, layer) != ("attn+shared", BROKEN_LAYER):
+            return handle
+        return _DroppedSum(handle) if self.broken == "drop-partial" else _UnjoinedRead(handle)
+
+    def mark_compute(self) -> None:
+        self.comm.mark_compute()
+
+    def drain(self) -> None:
+        self.comm.drain()
+
+
+class _DroppedSum:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def wait(self):
+        return torch.zeros_like(self.handle.wait())  # joined, then left out of the residual
+
+
+class _UnjoinedRead:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def wait(self):
+        early = self.handle._tensor.clone()  # noqa: SLF001 - the missing join, on purpose
+        self.handle.wait()  # joined after the read, so no stream is left forked
+        return early
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

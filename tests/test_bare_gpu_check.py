@@ -64,7 +64,7 @@ def test_comm_and_reference_import_without_sglang(bare):
     code = (
         "import importlib.util, sys\n"
         f"missing = [m for m in {NOT_THERE!r} if importlib.util.find_spec(m) is None]\n"
-        "import sglang_farskip.comm, sglang_farskip.reference, sglang_farskip.nccl\n"
+        "import sglang_farskip.comm, sglang_farskip.reference, sglang_farskip.nccl, sglang_farskip.schedule\n"
         "import torch\n"
         "print('MISSING', ','.join(missing))\n"
         "print('LOADED', ','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'sgl_kernel'))))\n"
@@ -102,8 +102,10 @@ def test_gpu_check_cpu_parts_pass_and_controls_have_power(bare, tmp_path):
                 assert ctl["detected"] and ctl["err"] > 3 * res["tol"], (n, name, ctl, res["tol"])
 
 
-def test_gpu_check_fails_with_a_broken_lane(bare):
-    proc = _run(bare, "bench/gpu_check.py", "--cpu", "--break-lane", "drop-partial")
+@pytest.mark.parametrize("broken, world", [("drop-partial", "1"), ("skip-join", "2")])
+def test_gpu_check_fails_with_a_broken_lane(bare, broken, world):
+    # skip-join needs a real join to skip: the 2-rank comm thread (the identity backend's sum is ready).
+    proc = _run(bare, "bench/gpu_check.py", "--cpu", "--world", world, "--break-lane", broken)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "FAIL stack" in proc.stdout and "SUMMARY FAIL: stack" in proc.stdout, proc.stdout
 

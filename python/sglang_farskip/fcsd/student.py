@@ -1,20 +1,23 @@
 """The FarSkip student: transformers' own DeepSeek-V3 modules, rewired, trainable.
 
 Parameters and their names are exactly `DeepseekV3ForCausalLM`'s (the teacher's checkpoint loads
-unchanged); only the decoder layer's forward differs. Each layer carries two residual streams:
+unchanged); only the decoder layer's forward differs: it runs `sglang_farskip.schedule`, the
+lane loop the served model runs, on one rank (`schedule.OneRank`: every "all-reduce" is its
+input, autograd flows through). So the student adds the same partial sums in the same order
+as the server that will serve it. Between layers it carries two residual streams [B, T, H]:
 
-    h = h[k-1]               the full residual
-    u = h[k-1] - r[k-1]      the same sum without the previous layer's routed-expert output
+    u = h[k-1] - r[k-1]      the residual without the previous layer's routed-expert output
+    r = r[k-1]               that output (None after a dense layer and before layer 0)
 
-kept as separate sums (u + r = h) instead of subtracting r from h, which would cancel in bf16.
-Layer k (flags from config.FarSkipConfig, math as in reference.py):
-
-    a    = Attn(norm_in(u            if attn_skips_prev_routed(k) else  h))
-    s, r = MLP(norm_post(h           if mlp_skips_attn(k)         else  h + a))
-    u'   = h + a + s,   h' = u' + r
+kept apart (u + r = h) instead of subtracting r from h, which would cancel in bf16. They are
+the schedule's state between two layers with the attention lane already added (its next step
+adds that lane first in every wiring, so adding it at the end of the layer is the same sum).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Optional
 
 import torch
 from torch import nn
@@ -27,28 +30,55 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3Model,
 )
 
+from .. import schedule
 from ..config import FarSkipConfig
+
+ONE_RANK = schedule.OneRank()
+
+
+class _StudentOps(schedule.UnfusedNorms):
+    """schedule.LayerOps of one transformers decoder layer, for one forward."""
+
+    def __init__(self, layer: DeepseekV3DecoderLayer, position_embeddings, attention_mask):
+        super().__init__(layer)
+        self.rope, self.mask = position_embeddings, attention_mask
+
+    def attention(self, h):
+        return self.layer.self_attn(h, self.rope, self.mask)[0]
+
+    def dense_mlp(self, y):
+        return self.layer.mlp(y)
+
+    def shared_experts(self, y):
+        return self.layer.mlp.shared_experts(y)
+
+    def routed_experts(self, y):
+        # DeepseekV3MoE.forward returns s + r summed; FarSkip needs them apart.
+        moe = self.layer.mlp
+        _, weights, experts = moe.gate(y)
+        return moe.experts(y.view(-1, y.shape[-1]), experts, weights).view_as(y)  # [B*T, H] -> [B, T, H]
+
+
+def _routed_lane(r: Optional[torch.Tensor]) -> schedule.Lanes:
+    """The lanes between two student layers: the routed sum r, the attention lane already added."""
+    return schedule.Lanes(routed=None if r is None else schedule.Ready(r))
 
 
 class FarSkipDecoderLayer(DeepseekV3DecoderLayer):
-    # Set by FarSkipDeepseekV3ForCausalLM.set_farskip; both False = the stock layer.
-    attn_skips_prev_routed = False
-    mlp_skips_attn = False
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.layer_idx = layer_idx
+        # The stock layer until FarSkipDeepseekV3ForCausalLM.set_farskip rewires it.
+        self.wiring = schedule.LayerWiring(attn_skips_prev_routed=False, mlp_skips_attn=False,
+                                           is_moe=isinstance(self.mlp, DeepseekV3MoE))
 
-    def forward(self, h, u, position_embeddings, attention_mask):
-        """(h[k-1], h[k-1] - r[k-1]) -> (h[k], h[k] - r[k]). Positional tensors, so that
+    def forward(self, u, r: Optional[torch.Tensor], position_embeddings, attention_mask):
+        """(h[k-1] - r[k-1], r[k-1]) -> (h[k] - r[k], r[k]). Positional tensors, so that
         transformers' gradient checkpointing (GradientCheckpointingLayer.__call__) applies."""
-        attn_in = u if self.attn_skips_prev_routed else h
-        a, _ = self.self_attn(self.input_layernorm(attn_in), position_embeddings, attention_mask)
-        x = self.post_attention_layernorm(h if self.mlp_skips_attn else h + a)
-        if not isinstance(self.mlp, DeepseekV3MoE):  # a dense layer: all of it is "shared"
-            u_next = h + a + self.mlp(x)
-            return u_next, u_next
-        # DeepseekV3MoE.forward returns s + r summed; FarSkip needs them apart.
-        _, weights, experts = self.mlp.gate(x)
-        r = self.mlp.experts(x.view(-1, x.shape[-1]), experts, weights).view_as(x)  # [B*T, H] -> [B, T, H]
-        u_next = h + a + self.mlp.shared_experts(x)
-        return u_next + r, u_next
+        ops = _StudentOps(self, position_embeddings, attention_mask)
+        x, lanes = schedule.layer_step(self.layer_idx, self.wiring, ops, ONE_RANK, u, _routed_lane(r))
+        u_next = x + lanes.attn_shared.wait()  # what the next step would add first
+        return u_next, None if lanes.routed is None else lanes.routed.wait()
 
 
 class FarSkipDeepseekV3Model(DeepseekV3Model):
@@ -65,10 +95,11 @@ class FarSkipDeepseekV3Model(DeepseekV3Model):
             config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=positions
         )
         rope = self.rotary_emb(h, positions)
-        u = h  # nothing routed before layer 0
+        u, r = h, None  # nothing routed before layer 0
         for layer in self.layers:
-            h, u = layer(h, u, rope, mask)
-        return self.norm(h)  # the final norm reads the full residual
+            u, r = layer(u, r, rope, mask)
+        # the final norm reads the full residual: norm(u + r)
+        return schedule.finish(u, _routed_lane(r), schedule.add_then_norm(self.norm))
 
 
 class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
@@ -84,8 +115,8 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         farskip.check_layers(self.config.num_hidden_layers)
         self.farskip = farskip
         for k, layer in enumerate(self.model.layers):
-            layer.attn_skips_prev_routed = farskip.attn_skips_prev_routed(k)
-            layer.mlp_skips_attn = farskip.mlp_skips_attn(k)
+            layer.wiring = dataclasses.replace(layer.wiring, attn_skips_prev_routed=farskip.attn_skips_prev_routed(k),
+                                               mlp_skips_attn=farskip.mlp_skips_attn(k))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, vocab]. Training never calls this (see loss.py)."""

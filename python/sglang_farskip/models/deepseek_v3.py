@@ -1,29 +1,14 @@
 """FarSkip DeepSeek-V3 inside SGLang 0.5.23: upstream layers and weights, FarSkip wiring.
 
-Notation (per decoder layer k, all [T, H] on the residual stream, T tokens, H hidden):
-    x       the residual, complete except for the sums still in flight
-    a       attention output partial (o_proj without its all-reduce)      [T, H]
-    s       shared-expert partial (a dense layer's whole MLP output)     [T, H]
-    r       routed-expert partial (MoE layers only)                      [T, H]
-    Lanes   the previous layer's sums still in flight:
-            A lane = AR(a + s),  R lane = AR(r)   (AR: the all-reduce of comm.py, a Handle)
-
-A layer (DESIGN.md section 1; `FarSkipConfig` decides per layer):
-    x += A lane                                   # now x = h[k-1] - r[k-1]
-    if attention reads full h:  x += R lane
-    a = Attn(norm_in(x))
-    if the MLP skips a:  x += R lane;  mlp_in = x            (h[k-1])
-    else:                x += R lane;  x += AR(a); mlp_in = x (h[k-1] + a)
-    s = Shared(norm_post(mlp_in));  A lane = AR(a + s)   (just AR(s) if a was reduced)
-    r = Routed(norm_post(mlp_in));  R lane = AR(r)
-and after the last layer x += A lane; x += R lane; out = norm(x).
-
-A dense layer (r = 0) sends its whole MLP output on the A lane: the next attention must read
-it (DESIGN section 1), so that one sum is waited at once; only MoE layers overlap both lanes.
+The FarSkip wiring itself (which sums each sub-block waits for, which collectives it starts,
+in which order) is `sglang_farskip.schedule`, the one lane loop the bare GPU check and the
+FCSD student run too. This file supplies the ops it runs over (`_ServedLayer`): SGLang's fused
+add + RMSNorm, upstream MLA, the shared and routed experts apart; each returns a partial
+[T, H] (T tokens, H hidden) that the schedule's lanes all-reduce.
 
 DP attention (`Step.rows`, see parallel.DpRows): x holds the rows of every DP rank's tokens
 [T_g, H]; norm_in and attention read this rank's rows [T_d, H] and the partial goes back in
-those rows, zero elsewhere, so the lanes above are unchanged. The embeddings are gathered
+those rows, zero elsewhere, so the schedule's lanes are unchanged. The embeddings are gathered
 once; the output is this rank's rows.
 
 Upstream's DeepseekV2Model.forward runs the same sub-modules through SGLang's layer-boundary
@@ -36,8 +21,8 @@ groups, is `parallel.py`'s; this file never touches a process group.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from functools import partial
 from typing import NamedTuple, Optional
 
 import torch
@@ -58,26 +43,13 @@ from sglang.srt.models.deepseek_v2 import (
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import BumpAllocator
 
-from sglang_farskip import options, parallel
-from sglang_farskip.comm import Communicator, Handle
+from sglang_farskip import options, parallel, schedule
+from sglang_farskip.comm import Communicator
 from sglang_farskip.config import FarSkipConfig, FarSkipMode, is_moe_layer
+from sglang_farskip.schedule import LayerWiring
 from sglang_farskip.serve.status import model_report, write_rank_status
 
 logger = logging.getLogger("sglang_farskip.model")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerWiring:
-    attn_skips_prev_routed: bool  # attention reads h[k-1] - r[k-1]
-    mlp_skips_attn: bool  # the MLP reads h[k-1], not h[k-1] + a[k]
-    is_moe: bool
-
-
-class Lanes(NamedTuple):
-    """The previous layer's partial sums, still in flight (None: nothing pending)."""
-
-    attn: Optional[Handle] = None  # A lane: AR(a + s)
-    routed: Optional[Handle] = None  # R lane: AR(r)
 
 
 class Step(NamedTuple):
@@ -86,29 +58,47 @@ class Step(NamedTuple):
     positions: torch.Tensor
     forward_batch: object
     zero_allocator: BumpAllocator
-    graph_breaks: bool  # under a breakable CUDA graph: no sum may stay in flight across attention
     rows: Optional[parallel.DpRows]  # DP attention: this rank's rows of x; None: x is all local
 
 
-def _add(x: torch.Tensor, handle: Optional[Handle]) -> torch.Tensor:
-    return x if handle is None else x + handle.wait()
-
-
-def _add_norm(norm, x: torch.Tensor, *handles: Optional[Handle], rows=None):
-    """(norm(x + sums), x + sums). The norm adds the last sum itself: SGLang's fused residual
-    add + RMSNorm on CUDA/HIP (one kernel, both tensors updated in place), the same float add
-    then the norm elsewhere. Either way the same code runs in `sync` and `overlap`.
-    `rows` (DP attention, the attention input): every row summed, only this rank's normed."""
+def _add_norm(norm, x: torch.Tensor, s: Optional[torch.Tensor], rows=None):
+    """schedule.AddNorm: (norm(x + s), x + s). SGLang's fused residual add + RMSNorm on
+    CUDA/HIP (one kernel, both tensors updated in place), the same float add then the norm
+    elsewhere; either way the same code runs in `sync` and `overlap`. `rows` (DP attention,
+    the attention input): every row summed, only this rank's normed."""
     if rows is not None:
-        for h in handles:
-            x = _add(x, h)
+        x = x if s is None else x + s
         return norm(rows.to_local(x)), x  # [T_g, H] -> [T_d, H]
-    *first, last = [h for h in handles if h is not None] or [None]
-    for h in first:
-        x = _add(x, h)
-    if last is None:
+    if s is None:
         return norm(x), x
-    return norm(last.wait(), x)
+    return norm(s, x)
+
+
+class _ServedLayer:
+    """schedule.LayerOps of one upstream decoder layer in one forward."""
+
+    __slots__ = ("layer", "step")
+
+    def __init__(self, layer, step: Step):
+        self.layer, self.step = layer, step
+
+    def input_add_norm(self, x, s):
+        return _add_norm(self.layer.input_layernorm, x, s, rows=self.step.rows)
+
+    def attention(self, h):
+        return _attention(self.layer, h, self.step)
+
+    def post_add_norm(self, x, s):
+        return _add_norm(self.layer.post_attention_layernorm, x, s)
+
+    def dense_mlp(self, y):
+        return self.layer.mlp(y, self.step.forward_batch)
+
+    def shared_experts(self, y):
+        return _shared_experts(self.layer.mlp, y)
+
+    def routed_experts(self, y):
+        return _routed_experts(self.layer.mlp, y)
 
 
 class FarSkipDeepseekV2Model(DeepseekV2Model):
@@ -127,58 +117,21 @@ class FarSkipDeepseekV2Model(DeepseekV2Model):
         zero_allocator = BumpAllocator(
             buffer_size=len(self.layers) * 2, dtype=torch.float32, device=positions.device
         )
-        # A breakable CUDA graph ends one captured segment at attention and starts the next
-        # (docs/gpu-overlap.md); the model then joins the routed sum before attention.
-        step = Step(positions, forward_batch, zero_allocator, is_in_breakable_cuda_graph(), rows)
-        lanes = Lanes()
-        try:
-            for k, layer in enumerate(self.layers):
-                with get_global_expert_distribution_recorder().with_current_layer(k):
-                    x, lanes = self._layer(k, layer, x, lanes, step)
-        except BaseException:
-            self.comm.drain()  # no collective outlives the tensors it reads and writes
-            raise
+        step = Step(positions, forward_batch, zero_allocator, rows)
+        x, lanes = schedule.run_layers(
+            x, (_ServedLayer(layer, step) for layer in self.layers), self.wiring, self.comm,
+            # A breakable CUDA graph ends one captured segment at attention and starts the
+            # next (docs/gpu-overlap.md): the routed sum is joined before attention.
+            graph_breaks=is_in_breakable_cuda_graph(),
+            scope=get_global_expert_distribution_recorder().with_current_layer,
+        )
         if self.comm.profiler is not None:
             self.comm.profiler.flush()
         if forward_batch.forward_mode.is_idle():
-            out = _add(_add(x, lanes.attn), lanes.routed)
+            out = schedule.finish(x, lanes)
         else:
-            out = _add_norm(self.norm, x, lanes.attn, lanes.routed)[0]  # the final norm reads the full h[L-1]
+            out = schedule.finish(x, lanes, partial(_add_norm, self.norm))  # the final norm reads the full h[L-1]
         return out if rows is None else rows.to_local(out)  # [T_g, H] -> [T_d, H]
-
-    def _layer(self, k: int, layer, x: torch.Tensor, lanes: Lanes, step: Step) -> tuple[torch.Tensor, Lanes]:
-        w, comm = self.wiring[k], self.comm
-        routed = lanes.routed
-        if w.attn_skips_prev_routed:
-            h, x = _add_norm(layer.input_layernorm, x, lanes.attn, rows=step.rows)  # x = h[k-1] - r[k-1]
-            if step.graph_breaks and routed is not None:
-                routed.join()  # summed in this segment, added after the attention as always
-        else:
-            (h, x), routed = _add_norm(layer.input_layernorm, x, lanes.attn, routed, rows=step.rows), None  # h[k-1]
-        a = _attention(layer, h, step)
-        comm.mark_compute()
-
-        if w.mlp_skips_attn:
-            y, x = _add_norm(layer.post_attention_layernorm, x, routed)  # x = h[k-1]
-        else:
-            attn = comm.start_all_reduce(a, lane="attn", layer=k)
-            y, x = _add_norm(layer.post_attention_layernorm, x, routed, attn)  # h[k-1] + a
-            a = None  # already summed: the A lane then carries s alone
-
-        if not w.is_moe:  # a dense MLP's output rides the attention lane (r = 0)
-            s = layer.mlp(y, step.forward_batch)
-            comm.mark_compute()
-            return x, Lanes(attn=comm.start_all_reduce(_plus(a, s), lane="attn+shared", layer=k))
-
-        s = _shared_experts(layer.mlp, y)
-        attn_shared = comm.start_all_reduce(_plus(a, s), lane="attn+shared", layer=k)
-        r = _routed_experts(layer.mlp, y)
-        comm.mark_compute()
-        return x, Lanes(attn_shared, comm.start_all_reduce(r, lane="routed", layer=k))
-
-
-def _plus(a: Optional[torch.Tensor], s: torch.Tensor) -> torch.Tensor:
-    return s if a is None else a + s
 
 
 def _attention(layer, h: torch.Tensor, step: Step) -> torch.Tensor:
