@@ -3,7 +3,7 @@
 The GPU machine this project may be lent has torch, NCCL and numpy but no SGLang, and nothing
 can be installed there. So a virtualenv here holds only torch, numpy and safetensors (and what
 they import), and in it: sglang is not importable, `sglang_farskip.comm` and `.reference`
-import, `bench/gpu_check.py --help` works, and its CPU part (the FarSkip stack through
+import, `python/sglang_farskip/checks/gpu.py --help` works, and its CPU part (the FarSkip stack through
 `Communicator` over a 2-rank gloo world) passes, including its broken-lane controls, while
 `--break-lane` in the main runs makes it fail. Also the NCCL binding's ABI-facing pieces
 (ncclConfig_t layout, version gate, library lookup) and, where the wheel's libnccl loads here,
@@ -79,7 +79,7 @@ def test_comm_and_reference_import_without_sglang(bare):
 
 
 def test_gpu_check_help(bare):
-    proc = _run(bare, "bench/gpu_check.py", "--help")
+    proc = _run(bare, "-m", "sglang_farskip.checks.gpu", "--help")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for flag in ("--cpu", "--world", "--json", "--ops-json", "--break-lane", "--items"):
         assert flag in proc.stdout
@@ -87,7 +87,7 @@ def test_gpu_check_help(bare):
 
 def test_gpu_check_cpu_parts_pass_and_controls_have_power(bare, tmp_path):
     out = tmp_path / "check.json"
-    proc = _run(bare, "bench/gpu_check.py", "--cpu", "--world", "2", "--json", str(out))
+    proc = _run(bare, "-m", "sglang_farskip.checks.gpu", "--cpu", "--world", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "PASS stack" in proc.stdout and "SUMMARY PASS" in proc.stdout, proc.stdout
     ranks = json.loads(out.read_text())["stack"]["ranks"]
@@ -105,7 +105,7 @@ def test_gpu_check_cpu_parts_pass_and_controls_have_power(bare, tmp_path):
 @pytest.mark.parametrize("broken, world", [("drop-partial", "1"), ("skip-join", "2")])
 def test_gpu_check_fails_with_a_broken_lane(bare, broken, world):
     # skip-join needs a real join to skip: the 2-rank comm thread (the identity backend's sum is ready).
-    proc = _run(bare, "bench/gpu_check.py", "--cpu", "--world", world, "--break-lane", broken)
+    proc = _run(bare, "-m", "sglang_farskip.checks.gpu", "--cpu", "--world", world, "--break-lane", broken)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "FAIL stack" in proc.stdout and "SUMMARY FAIL: stack" in proc.stdout, proc.stdout
 
@@ -161,10 +161,7 @@ def test_library_calls_that_need_no_gpu():
 
 
 def test_gpu_check_arguments():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    gc = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = gc  # dataclasses look their module up there
-    spec.loader.exec_module(gc)
+    from sglang_farskip.checks import gpu as gc
     args = gc.parse_args(["--items", "stack,ops", "--json", "x.json"])
     assert args.items == ["stack", "ops"] and args.json == "x.json" and not args.cpu
     for bad in (["--items", "stack,nope"], ["--layers", "1"], ["--world", "3"]):

@@ -16,7 +16,7 @@ FLAG = re.compile(r"--farskip-[a-z0-9]+(?:-[a-z0-9]+)*")
 
 
 def launcher_flags() -> tuple[set[str], set[str]]:
-    """(user flags, test-only flags): the second are hidden from --help (bench/device_check.py
+    """(user flags, test-only flags): the second are hidden from --help (python/sglang_farskip/checks/device.py
     passes them), so the pages may name them but need not."""
     shown, hidden = set(), set()
     for action in own_parser()._actions:

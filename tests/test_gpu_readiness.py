@@ -10,7 +10,7 @@
   sum is still in flight, and CUDA refuses a wait in the next segment); on a GPU the profiler
   is refused while graphs could replay (its timings are CUDA events recorded by Python, which a
   replay does not run);
-- bench/device_check.py imports without a GPU, and its CPU-checkable parts are right: the
+- python/sglang_farskip/checks/device.py imports without a GPU, and its CPU-checkable parts are right: the
   server item's checkpoint, workload and variants, and its scoring against reference.py run on
   two real CPU servers, one with the broken-lane control (--farskip-test-drop-partial), which
   the scoring must catch.
@@ -145,13 +145,12 @@ def test_given_args_resolve_aliases_and_forms():
     assert "--max-total-tokens" not in given and "--attention-backend" not in given
 
 
-# ------------------------------------------------------------------ bench/device_check.py on a CPU
+# ------------------------------------------------------------------ python/sglang_farskip/checks/device.py on a CPU
 @pytest.fixture(scope="module")
 def device_check():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import device_check
+    from sglang_farskip.checks import device
 
-    return device_check
+    return device
 
 
 def test_device_check_checkpoint_is_a_valid_farskip_v3(device_check, tmp_path):
@@ -240,7 +239,7 @@ def test_device_check_judge(device_check):
 def test_device_check_summary_and_cpu_refusal(device_check):
     text, ok = device_check.summary([("a", True, "x"), ("b", False, "y")])
     assert text.splitlines() == ["PASS a: x", "FAIL b: y", "SUMMARY 1/2 passed: b"] and not ok
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "device_check.py"), "--items", "memory"],
+    proc = subprocess.run([sys.executable, "-m", "sglang_farskip.checks.device", "--items", "memory"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "error: no CUDA/HIP device" in proc.stderr
 

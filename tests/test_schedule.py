@@ -25,10 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    gc = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = gc  # dataclasses look their module up there
-    spec.loader.exec_module(gc)
+    from sglang_farskip.checks import gpu as gc
     return gc
 
 

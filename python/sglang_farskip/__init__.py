@@ -13,7 +13,8 @@ The folders are the layers (README.md, "Layout", has a line per module):
     tools            tools/           demo checkpoints, convert, patches
                      plan.py          the planner (python -m sglang_farskip.plan)
                      fcsd/            the self-distillation (python -m sglang_farskip.fcsd)
-    running things   testbed/         ports, servers, network namespaces (tests/ and bench/)
+    running things   checks/          the bare GPU check (torch only) and the device check
+                     testbed/         ports, servers, network namespaces (tests/ and bench/)
                      loadtest/        the load harness's library (bench/run_load.py)
 
 `python -m sglang_farskip.launch_server` is the launcher's public name.

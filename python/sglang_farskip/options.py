@@ -34,9 +34,9 @@ class RuntimeOptions:
     profile_dir: Optional[str] = None  # --farskip-profile-dir: absolute, made by the launcher
     cpu_attention: Optional[str] = None  # --farskip-cpu-attention: None = absorbed, uncounted
     cpu_start_method: str = "fork"  # --farskip-cpu-start-method: how SGLang starts its CPU workers
-    # Test only (bench/device_check.py): the side stream even at TP=1, with the fork/join probe.
+    # Test only (python/sglang_farskip/checks/device.py): the side stream even at TP=1, with the fork/join probe.
     force_side_stream: bool = False
-    # Test only (bench/device_check.py's broken-lane control): "LANE:LAYER", e.g. "attn+shared:1";
+    # Test only (python/sglang_farskip/checks/device.py's broken-lane control): "LANE:LAYER", e.g. "attn+shared:1";
     # that collective sums zeros instead of this rank's partial, so a check must see it.
     drop_partial: Optional[str] = None
 

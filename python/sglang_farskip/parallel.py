@@ -121,7 +121,7 @@ def gpu_side_stream(group, options: RuntimeOptions, hidden_size: int) -> SideStr
     max_ctas = options.side_max_ctas
     all_reduce_ = nccl_all_reduce_(group.cpu_group, group.device, max_ctas=max_ctas)
     if options.force_side_stream:
-        # Test only (bench/device_check.py): at TP=1 the sum is the identity, so a missing
+        # Test only (python/sglang_farskip/checks/device.py): at TP=1 the sum is the identity, so a missing
         # fork or join could not show; the probe makes it show.
         all_reduce_ = fork_join_probe(all_reduce_)
     side = SideStreamAllReduce(all_reduce_, device=group.device)

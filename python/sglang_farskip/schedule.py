@@ -1,6 +1,6 @@
 """The FarSkip lane loop, written once: which partial sums each sub-block waits for, which
 collectives it starts. Needs torch alone (no SGLang, no transformers): the served model
-(models/deepseek_v3.py), the bare GPU check (bench/gpu_check.py) and the FCSD student
+(models/deepseek_v3.py), the bare GPU check (python/sglang_farskip/checks/gpu.py) and the FCSD student
 (fcsd/student.py) all run this file, each with its own `LayerOps` and communicator.
 
 Notation (decoder layer k, DESIGN.md section 1; every tensor [T, H]: T tokens, H hidden; the

@@ -93,7 +93,7 @@ def own_parser() -> argparse.ArgumentParser:
                         "has imported SGLang already (default), or spawned as on GPUs (each imports it again)")
     parser.add_argument("--demo", choices=list(DEMO_MODEL_NAMES), default=None,
                         help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
-    # Test only (bench/device_check.py): the GPU side stream even at TP=1, with the fork/join probe.
+    # Test only (python/sglang_farskip/checks/device.py): the GPU side stream even at TP=1, with the fork/join probe.
     parser.add_argument("--farskip-test-force-side-stream", action="store_true", help=argparse.SUPPRESS)
     # Test only (device_check's broken-lane control): LANE:LAYER sums zeros for one collective.
     parser.add_argument("--farskip-test-drop-partial", default=None, metavar="LANE:LAYER", help=argparse.SUPPRESS)

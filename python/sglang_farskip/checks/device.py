@@ -1,8 +1,8 @@
 """One-GPU check of FarSkip's GPU overlap path: what one GPU can settle, in one short run.
 
-    python bench/device_check.py [--items side-stream,breakable,...] [--keep DIR]
+    python -m sglang_farskip.checks.device [--items side-stream,breakable,...] [--keep DIR]
 
-Needs SGLang (a GPU node where it is installed; bench/gpu_check.py is the check for a bare
+Needs SGLang (a GPU node where it is installed; python/sglang_farskip/checks/gpu.py is the check for a bare
 machine). Estimated 12 minutes on one H200: the server item builds a ~10 GB checkpoint (about
 2 minutes), starts seven servers (about a minute each) and runs the float32 reference; the
 other items take seconds (an estimate: no GPU with SGLang has been lent yet, so it has never run).
@@ -73,7 +73,7 @@ import traceback
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: python/sglang_farskip/checks/
 from sglang_farskip.testbed.ports import free_port  # noqa: E402
 
 from sglang_farskip.serve.launcher import wait_healthy  # noqa: E402
@@ -341,7 +341,7 @@ def _breakable(dev, join: bool):
 def item_breakable(dev) -> tuple[bool, str]:
     eager_ok, replay_ok = _breakable(dev, join=True)
     # The schedule before the fix may leave the CUDA context unusable: its own process.
-    proc = subprocess.run([sys.executable, __file__, "--breakable-across"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sglang_farskip.checks.device", "--breakable-across"], capture_output=True,
                           text=True, timeout=120)
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     across = next((line for line in reversed(tail) if line.startswith("ACROSS ")), None)
@@ -363,63 +363,17 @@ def breakable_across_main() -> int:
     return 0
 
 
+# The bare check's items, the same on this machine (one definition: checks/gpu.py).
 def item_memory(dev) -> tuple[bool, str]:
-    import torch
+    from sglang_farskip.checks import gpu
 
-    comm, side = _side_comm(dev, probe=False)
-    mib = 2**20
-    kept = side.warm_up([HIDDEN, 256 * HIDDEN, 4096 * HIDDEN], torch.bfloat16)
-    t = torch.ones(4096, HIDDEN, device=dev, dtype=torch.bfloat16)  # 58.7 MB
-    torch.cuda.synchronize()
-    free_before = torch.cuda.mem_get_info(dev)[0]
-    out = comm.start_all_reduce(t).wait()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    later = free_before - torch.cuda.mem_get_info(dev)[0]
-    ok = abs(later) <= 2 * mib and bool(torch.equal(out, torch.ones_like(out)))
-    return ok, f"warm-up kept {kept / mib:.1f} MiB; the first 58.7 MB all-reduce after it {later / mib:+.1f} MiB (bound 2 MiB)"
+    return gpu.item_memory(dev, {})
 
 
 def item_priority(dev) -> tuple[bool, str]:
-    import torch
+    from sglang_farskip.checks import gpu
 
-    g = torch.Generator(device=dev).manual_seed(2)
-    # DeepSeek-V3 prefill (4096 tokens) shapes: MLA q_b / o_proj-like and a dense MLP GEMM.
-    a = torch.randn(4096, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)
-    b = torch.randn(HIDDEN, 18432, device=dev, dtype=torch.bfloat16, generator=g)
-    small = torch.randn(256, HIDDEN, device=dev, dtype=torch.bfloat16, generator=g)  # decode-sized AR
-    main = torch.cuda.current_stream()
-
-    def run(side):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(5)]
-        ev[0].record(main)
-        for _ in range(8):
-            a @ b
-        ev[1].record(main)
-        ready = torch.cuda.Event()
-        for i in range(8):
-            a @ b
-            if i == 1 and side is not None:
-                ready.record(main)
-        if side is not None:
-            side.wait_event(ready)
-            with torch.cuda.stream(side):
-                ev[2].record()
-                small.add_(1).sub_(1)
-                ev[3].record()
-        ev[4].record(main)
-        torch.cuda.synchronize()
-        gemm_ms = ev[1].elapsed_time(ev[4]) if side is not None else ev[0].elapsed_time(ev[1])
-        return gemm_ms / 8, ev[2].elapsed_time(ev[3]) if side is not None else None
-
-    run(None)
-    base, _ = run(None)
-    lo, hi = torch.cuda.Stream.priority_range()
-    normal = [run(torch.cuda.Stream(device=dev, priority=lo)) for _ in range(3)][-1]
-    high = [run(torch.cuda.Stream(device=dev, priority=hi)) for _ in range(3)][-1]
-    ok = high[1] <= normal[1] * 1.1 + 0.05
-    return ok, (f"side kernel behind GEMMs: normal priority {normal[1]:.3f} ms, high {high[1]:.3f} ms; "
-                f"GEMM {base:.3f} ms alone, {normal[0]:.3f} / {high[0]:.3f} ms with the side kernel")
+    return gpu.item_priority(dev, {})
 
 
 # ------------------------------------------------------------------ end to end

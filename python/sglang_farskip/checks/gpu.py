@@ -1,10 +1,10 @@
 """Bare GPU check of FarSkip's overlap path: torch + NCCL and this repository, nothing else.
 
-    python bench/gpu_check.py [--json OUT] [--ops-json OUT] [--items side-stream,priority,memory,stack,ops]
-    python bench/gpu_check.py --cpu [--world 2] [--json OUT]          # the CPU-runnable parts
+    PYTHONPATH=python python -m sglang_farskip.checks.gpu [--json OUT] [--ops-json OUT] [--items side-stream,priority,memory,stack,ops]
+    PYTHONPATH=python python -m sglang_farskip.checks.gpu --cpu [--world 2] [--json OUT]          # the CPU-runnable parts
 
 Runs with the machine's own Python (no install, no SGLang, sgl_kernel or FlashInfer, nothing
-downloaded): it puts this repository's python/ on sys.path. One PASS/FAIL line per item, a
+downloaded): PYTHONPATH=python finds this package in the checkout. One PASS/FAIL line per item, a
 summary, exit 1 if any item failed; `--json` writes every figure. Estimated 3-4 minutes on one
 H200 (an estimate: it has never run on a GPU), most of it the stack's weights (the TP=8
 shard in bf16 and in fp32: about 26 GB) and its fp32 runs.
@@ -68,8 +68,6 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -674,7 +672,7 @@ def item_ops(dev, figures: dict) -> tuple[bool, str]:
             res, part = rnd(tokens, w.hidden), rnd(tokens, w.hidden)
             add("norm_add", tokens, 0, tp, _time_us(lambda: norm(res + part)))
     name = torch.cuda.get_device_name(dev)
-    figures.update({"source": f"{name}, {datetime.date.today().isoformat()}, bf16 (bench/gpu_check.py, "
+    figures.update({"source": f"{name}, {datetime.date.today().isoformat()}, bf16 (python/sglang_farskip/checks/gpu.py, "
                               "plain PyTorch kernels)", "dtype": "bf16", "per_op_us": entries})
     ok = all(math.isfinite(e["us"]) and e["us"] > 0 for e in entries)
     return ok, f"{len(entries)} op timings (attention prefill/decode, experts, dense MLP, norm+add at TP 8/16)"
