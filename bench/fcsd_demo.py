@@ -159,9 +159,9 @@ def run_fcsd(teacher: Path, data: Path, out: Path, seconds: float, *flags: str) 
 # ------------------------------------------------------------------------------------- serve
 def check_server(out: Path, data: Path, tokenizer) -> dict:
     from sglang_farskip.testbed.servers import Server
-    from sglang_farskip.fcsd.student import FarSkipDeepseekV3ForCausalLM
+    from sglang_farskip.fcsd.student import FarSkipStudent
 
-    student = FarSkipDeepseekV3ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    student = FarSkipStudent.from_pretrained(str(out), dtype=torch.float32).eval()
     lines = data.read_text().splitlines()[-5:]  # held-out documents
     prompts = [tokenizer(json.loads(line)["text"][:300])["input_ids"][:48] for line in lines]
     worst, same = 0.0, True

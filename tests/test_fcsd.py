@@ -32,7 +32,7 @@ from sglang_farskip.tools.demo_model import build_checkpoint
 from sglang_farskip.fcsd.loss import distill_loss, eval_sums
 from sglang_farskip.fcsd.output import MTP_FILE, mtp_tensors
 from sglang_farskip.fcsd.run import main
-from sglang_farskip.fcsd.student import FarSkipDeepseekV3ForCausalLM
+from sglang_farskip.fcsd.student import FarSkipStudent
 from sglang_farskip.reference import load_reference
 
 from parity import LOGPROB_ATOL
@@ -67,7 +67,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def test_student_matches_stock_and_reference(teacher):
-    student = FarSkipDeepseekV3ForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    student = FarSkipStudent.from_pretrained(teacher, dtype=torch.float32).eval()
     stock = DeepseekV3ForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
     reference = load_reference(str(teacher))
     ids = torch.randint(2, 4096, (2, 33), generator=torch.Generator().manual_seed(0))
@@ -165,7 +165,7 @@ def test_short_run_lowers_held_out_kl(trained, teacher):
 
 
 def test_output_served_by_sglang_matches_student(trained):
-    student = FarSkipDeepseekV3ForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+    student = FarSkipStudent.from_pretrained(trained, dtype=torch.float32).eval()
     assert student.farskip == FarSkipConfig(True)
     prompt = [0] + list(range(100, 140))
     # Served with EAGLE on the kept MTP layer: greedy speculative decoding is exact, so the

@@ -269,7 +269,7 @@ def test_student_runs_the_schedule_and_checkpointing_still_applies(steps):
     gradients are the ones without checkpointing, bit for bit (the same ops, the same order)."""
     from transformers import DeepseekV3Config
 
-    from sglang_farskip.fcsd.student import FarSkipDeepseekV3ForCausalLM
+    from sglang_farskip.fcsd.student import FarSkipStudent
 
     cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                            num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
@@ -279,7 +279,7 @@ def test_student_runs_the_schedule_and_checkpointing_still_applies(steps):
                            farskip_start_idx=1)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    student = FarSkipDeepseekV3ForCausalLM(cfg).train()
+    student = FarSkipStudent(cfg).train()
     assert [l.wiring.attn_skips_prev_routed for l in student.model.layers] == [False, True, True]
     ids = torch.randint(0, 64, (2, 6))
 

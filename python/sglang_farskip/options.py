@@ -23,7 +23,7 @@ from sglang_farskip.errors import UserError
 ENV = "SGLANG_FARSKIP_OPTIONS"
 CPU_ATTENTION_CHOICES = ("absorbed", "mha")
 CPU_START_METHODS = ("fork", "spawn")
-LANES = ("attn", "attn+shared", "routed")  # the collectives' lane names (models/deepseek_v3.py)
+LANES = ("attn", "attn+shared", "routed")  # the collectives' lane names (schedule.py)
 
 
 @dataclasses.dataclass(frozen=True)

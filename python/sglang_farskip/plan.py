@@ -8,7 +8,7 @@
 It predicts the step time of three runs of the same model on the same layout: `stock` (the
 DeepSeek-V3 wiring, every all-reduce blocking), `sync` (the FarSkip wiring with blocking
 collectives) and `overlap` (the FarSkip wiring with the asynchronous schedule of
-python/sglang_farskip/models/deepseek_v3.py), by replaying each run's sequence of kernels and
+python/sglang_farskip/schedule.py, which the served model runs), by replaying each run's sequence of kernels and
 collectives on a compute stream and one FIFO communication stream.
 
 Notation
@@ -578,7 +578,7 @@ def stock_program(shape: Shape, c: Costs, dp: bool) -> Program:
 
 
 def farskip_program(shape: Shape, c: Costs, blocking: bool, dp: bool = False) -> Program:
-    """The FarSkip forward of models/deepseek_v3.py (_layer): the same launches and waits in the
+    """The FarSkip forward of schedule.py (layer_step, tests/test_schedule.py checks it): the same launches and waits in the
     same order; `blocking` waits each collective where it is launched (sync).
 
     `dp` (DP attention, docs/dp-attention.md, parallel.DpRows): the residual holds all T rows of

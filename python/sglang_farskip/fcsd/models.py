@@ -17,7 +17,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from ..config import FarSkipConfig
 from .data import next_token_labels
 from .loss import distill_loss, eval_sums
-from .student import FarSkipDeepseekV3ForCausalLM, stock_hidden
+from .student import FarSkipStudent, stock_hidden
 
 EVAL_KEYS = ("kl", "agree", "tokens", "ce_student", "ce_teacher", "ce_tokens")
 
@@ -54,7 +54,7 @@ class Distiller(nn.Module):
     """forward(ids [B, T]) -> (loss sum, KL sum, CE sum) over B*T tokens. The loss is computed
     inside this module's forward so that, under FSDP2, the student's lm_head is gathered."""
 
-    def __init__(self, student: FarSkipDeepseekV3ForCausalLM, teacher: DeepseekV3ForCausalLM, ce_weight: float, chunk: int):
+    def __init__(self, student: FarSkipStudent, teacher: DeepseekV3ForCausalLM, ce_weight: float, chunk: int):
         super().__init__()
         self.student, self.teacher = student, teacher
         self.ce_weight, self.chunk = ce_weight, chunk
@@ -101,7 +101,7 @@ def build(teacher_dir, farskip: FarSkipConfig, rt: Runtime, *, ce_weight: float,
     if rt.sharded:
         student, teacher = _build_sharded(teacher_dir, rt, t_dtype)
     else:
-        student = FarSkipDeepseekV3ForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32, attn_implementation="sdpa")
+        student = FarSkipStudent.from_pretrained(teacher_dir, dtype=torch.float32, attn_implementation="sdpa")
         teacher = DeepseekV3ForCausalLM.from_pretrained(teacher_dir, dtype=t_dtype, attn_implementation="sdpa")
         student.to(rt.device), teacher.to(rt.device)
     student.set_farskip(farskip)
@@ -127,11 +127,11 @@ def _build_sharded(teacher_dir, rt: Runtime, t_dtype: torch.dtype):
     cfg = _config(teacher_dir)
     full = {}
     if rt.main:
-        full["student"] = FarSkipDeepseekV3ForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).state_dict()
+        full["student"] = FarSkipStudent.from_pretrained(teacher_dir, dtype=torch.float32).state_dict()
         full["teacher"] = DeepseekV3ForCausalLM.from_pretrained(teacher_dir, dtype=t_dtype).state_dict()
     models = {}
     with torch.device("meta"):
-        models["student"] = FarSkipDeepseekV3ForCausalLM(cfg).to(torch.float32)
+        models["student"] = FarSkipStudent(cfg).to(torch.float32)
         models["teacher"] = DeepseekV3ForCausalLM(cfg).to(t_dtype)
     for module in models["teacher"].modules():  # transformers keeps the routing bias in fp32
         if hasattr(module, "e_score_correction_bias"):

@@ -20,7 +20,7 @@ from transformers import DeepseekV3ForCausalLM
 
 from .. import checkpoint
 from ..config import FarSkipConfig
-from .student import FarSkipDeepseekV3ForCausalLM
+from .student import FarSkipStudent
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 MTP_FILE = "model-mtp.safetensors"
@@ -66,7 +66,7 @@ def _add_mtp(tmp: Path, tensors: dict) -> None:
         index.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def full_state_dict(student: FarSkipDeepseekV3ForCausalLM) -> dict:
+def full_state_dict(student: FarSkipStudent) -> dict:
     """Every rank must call this (FSDP2 gathers); only rank 0 gets the tensors, on CPU."""
     return get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -78,7 +78,7 @@ def write_checkpoint(out: Path, teacher: Path, state: dict, farskip: FarSkipConf
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         with torch.device("meta"):
-            model = DeepseekV3ForCausalLM(FarSkipDeepseekV3ForCausalLM.config_class.from_pretrained(teacher))
+            model = DeepseekV3ForCausalLM(FarSkipStudent.config_class.from_pretrained(teacher))
         state = {k: v if k.endswith("e_score_correction_bias") else v.to(dtype) for k, v in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
         model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size="5GB")

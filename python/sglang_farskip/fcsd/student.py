@@ -68,7 +68,7 @@ class FarSkipDecoderLayer(DeepseekV3DecoderLayer):
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.layer_idx = layer_idx
-        # The stock layer until FarSkipDeepseekV3ForCausalLM.set_farskip rewires it.
+        # The stock layer until FarSkipStudent.set_farskip rewires it.
         self.wiring = schedule.LayerWiring(attn_skips_prev_routed=False, mlp_skips_attn=False,
                                            is_moe=isinstance(self.mlp, DeepseekV3MoE))
 
@@ -102,7 +102,7 @@ class FarSkipDeepseekV3Model(DeepseekV3Model):
         return schedule.finish(u, _routed_lane(r), schedule.add_then_norm(self.norm))
 
 
-class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
+class FarSkipStudent(DeepseekV3ForCausalLM):
     """`from_pretrained(teacher_dir)` gives the untrained student (init = the teacher's weights)."""
 
     def __init__(self, config):
@@ -126,7 +126,7 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
 # transformers applies its checkpoint renames (per-expert tensors <-> fused 3-D experts) only to its
 # own classes; a subclass defined here has to be registered to load and save the same files.
 register_checkpoint_conversion_mapping(
-    FarSkipDeepseekV3ForCausalLM.__name__, get_checkpoint_conversion_mapping("deepseek_v3"), overwrite=True
+    FarSkipStudent.__name__, get_checkpoint_conversion_mapping("deepseek_v3"), overwrite=True
 )
 
 
