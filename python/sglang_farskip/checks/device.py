@@ -73,10 +73,9 @@ import traceback
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]  # the checkout: python/sglang_farskip/checks/
-from sglang_farskip.testbed.ports import free_port  # noqa: E402
-
-from sglang_farskip.serve.launcher import wait_healthy  # noqa: E402
+from sglang_farskip.serve.launcher import wait_healthy
+from sglang_farskip.testbed import REPO as ROOT
+from sglang_farskip.testbed.ports import free_port
 
 HIDDEN = 7168
 CHUNK = 2048  # --chunked-prefill-size of the servers: the 4096-token prompt is two chunks

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]  # the checkout: python/sglang_farskip/testbed/
+from sglang_farskip.testbed import REPO
+
 ENTRYPOINT = REPO / "deploy" / "entrypoint.sh"
 PY = sys.executable
 

@@ -15,9 +15,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sglang_farskip.testbed import REPO
 from sglang_farskip.testbed.ports import free_port
 
-REPO = Path(__file__).resolve().parents[3]  # the checkout: python/sglang_farskip/testbed/
 START_TIMEOUT_S = 240  # a CPU start is 25-45 s here; CI machines are slower when busy
 
 # Test servers run upstream's one torch.compile'd function on this path eagerly: SGLang's CPU
