@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import urllib.request
 
 import pytest
 
@@ -61,8 +60,7 @@ def serve_both_ways(server: Server) -> dict:
     # Readiness polling (/health_generate, input [0]) leaves token 0, the first token of every
     # prompt, cached on whichever DP ranks the polls reached, a number that depends on start
     # timing; a cached token turns a prefill into an extend. Start from empty caches.
-    with urllib.request.urlopen(server.url + "/flush_cache", timeout=60) as reply:
-        assert reply.status == 200
+    server.admin("/flush_cache")
     one_at_a_time = served(server, DP_PROMPTS, dp_ranks=DP_RANKS)
     with concurrent.futures.ThreadPoolExecutor(len(DP_PROMPTS)) as pool:
         at_once = [f.result()[0] for f in [pool.submit(served, server, [p], dp_ranks=[r])

@@ -34,6 +34,10 @@ class RuntimeOptions:
     profile_dir: Optional[str] = None  # --farskip-profile-dir: absolute, made by the launcher
     cpu_attention: Optional[str] = None  # --farskip-cpu-attention: None = absorbed, uncounted
     cpu_start_method: str = "fork"  # --farskip-cpu-start-method: how SGLang starts its CPU workers
+    # What one request may ask for (serve/admission.py; read in the HTTP process only).
+    max_logprobs: int = 20  # --farskip-max-logprobs: top log-probabilities per token, as vLLM's default
+    max_n: int = 16  # --farskip-max-n: parallel samples (n, best_of) per prompt
+    max_request_tokens: Optional[int] = None  # --farskip-max-request-tokens; None: max_n full contexts
     # Test only (python/sglang_farskip/checks/device.py): the side stream even at TP=1, with the fork/join probe.
     force_side_stream: bool = False
     # Test only (python/sglang_farskip/checks/device.py's broken-lane control): "LANE:LAYER", e.g. "attn+shared:1";
@@ -48,6 +52,13 @@ class RuntimeOptions:
         ctas = self.side_max_ctas
         if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
             raise UserError(f"--farskip-side-max-ctas {ctas}: give a positive CTA count")
+        for name, least in (("max_logprobs", 0), ("max_n", 1), ("max_request_tokens", 1)):
+            value = getattr(self, name)
+            if value is None and name == "max_request_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                flag = "--farskip-" + name.replace("_", "-")
+                raise UserError(f"{flag} {value!r}: give an integer of at least {least}")
         if self.cpu_attention not in (None, *CPU_ATTENTION_CHOICES):
             raise UserError(
                 f"--farskip-cpu-attention {self.cpu_attention!r}: choose one of {', '.join(CPU_ATTENTION_CHOICES)}"

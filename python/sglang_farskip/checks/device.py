@@ -76,6 +76,7 @@ from pathlib import Path
 from sglang_farskip.serve.launcher import wait_healthy
 from sglang_farskip.testbed import REPO as ROOT
 from sglang_farskip.testbed.ports import free_port
+from sglang_farskip.testbed.servers import ADMIN_KEY, admin_post
 
 HIDDEN = 7168
 CHUNK = 2048  # --chunked-prefill-size of the servers: the 4096-token prompt is two chunks
@@ -405,14 +406,15 @@ def serve_and_run(model_path: str, variant: str, log_dir: Path, start_timeout: f
     port = free_port()
     log = open(log_dir / f"server-{variant}.log", "w")
     proc = subprocess.Popen(server_argv(model_path, variant, port), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=ROOT)
+                            start_new_session=True, cwd=ROOT,
+                            env={**os.environ, "FARSKIP_ADMIN_API_KEY": ADMIN_KEY})
     base = f"http://127.0.0.1:{port}"
     try:
         if not wait_healthy(base, start_timeout, alive=lambda: proc.poll() is None):
             state = f"exited {proc.returncode}" if proc.poll() is not None else f"not ready in {start_timeout:.0f} s"
             raise RuntimeError(f"server {variant} {state}; see {log.name}")
         first = run_workload(base)
-        urllib.request.urlopen(urllib.request.Request(base + "/flush_cache", method="POST"), timeout=60).read()
+        admin_post(base, "/flush_cache")
         return first, not compare(first, run_workload(base))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

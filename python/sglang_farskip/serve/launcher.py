@@ -91,6 +91,14 @@ def own_parser() -> argparse.ArgumentParser:
     parser.add_argument("--farskip-cpu-start-method", choices=list(CPU_START_METHODS), default=None,
                         help="CPU only: SGLang's worker processes are forked from the launcher, which "
                         "has imported SGLang already (default), or spawned as on GPUs (each imports it again)")
+    parser.add_argument("--farskip-max-logprobs", type=int, default=20, metavar="K",
+                        help="the most top log-probabilities one request may ask for per token "
+                        "(top_logprobs_num, OpenAI logprobs/top_logprobs; vLLM's default)")
+    parser.add_argument("--farskip-max-n", type=int, default=16, metavar="N",
+                        help="the most parallel samples (n, best_of) one request may ask for per prompt")
+    parser.add_argument("--farskip-max-request-tokens", type=int, default=None, metavar="T",
+                        help="the most tokens one request may ask for, summed over its prompts and samples "
+                        "(prompt + tokens to generate each); default: --farskip-max-n full contexts")
     parser.add_argument("--demo", choices=list(DEMO_MODEL_NAMES), default=None,
                         help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
     # Test only (python/sglang_farskip/checks/device.py): the GPU side stream even at TP=1, with the fork/join probe.
@@ -216,6 +224,40 @@ def gpu_overlap_graph_args(given: GivenArgs) -> list[str]:
     return ["--cuda-graph-backend-prefill", "disabled"]
 
 
+# deploy/entrypoint.sh hands the keys over in these variables rather than as flags (argv shows
+# in ps); each is read once and removed from every process the server starts (redact.py).
+KEY_VARIABLES = {"--api-key": "FARSKIP_API_KEY", "--admin-api-key": "FARSKIP_ADMIN_API_KEY"}
+MIN_KEY_CHARS = 16
+
+
+def _keys(given: GivenArgs) -> list[str]:
+    """The key flags to add from the environment; refuses empty, short or shared keys (SGLang
+    checks no key at all when --api-key is empty, and with one key for both, every client is
+    an admin)."""
+    from sglang_farskip.serve.redact import take_from_environment
+
+    extra, keys = [], {}
+    for flag, variable in KEY_VARIABLES.items():
+        from_env = take_from_environment(variable)
+        if flag in given:
+            keys[flag] = given.get(flag)
+        elif from_env is not None:
+            keys[flag] = from_env
+            extra.append(f"{flag}={from_env}")  # one word: a key starting with "-" is no flag
+    for flag, key in keys.items():
+        where = f"{flag} (or {KEY_VARIABLES[flag]})"
+        if not key or not key.strip():
+            raise UserError(f"{where} is empty, so SGLang would check no key: give a key of at least "
+                            f"{MIN_KEY_CHARS} characters, or leave the flag out")
+        if len(key) < MIN_KEY_CHARS:
+            raise UserError(f"{where} is {len(key)} characters long: use at least {MIN_KEY_CHARS} "
+                            "random characters (e.g. `openssl rand -hex 32`)")
+    if len(keys) == 2 and keys["--api-key"] == keys["--admin-api-key"]:
+        raise UserError("--api-key and --admin-api-key are the same key, which makes every client an "
+                        "admin: give the admin routes their own key")
+    return extra
+
+
 def _check_stand_in() -> None:
     from sglang_farskip.cpu.environment import stand_in_kernels
 
@@ -300,10 +342,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         from sglang_farskip.cpu.environment import one_thread_until_workers_start
 
         one_thread_until_workers_start()
-    # deploy/entrypoint.sh hands API_KEY over here rather than as --api-key: argv shows in ps.
-    # One `--api-key=KEY` word: a key that starts with "-" would otherwise read as a flag.
-    if os.environ.get("FARSKIP_API_KEY") and "--api-key" not in given:
-        argv = argv + [f"--api-key={os.environ['FARSKIP_API_KEY']}"]
+    argv = argv + _keys(given)
     demo = "--model-path" not in given
     if own.demo and not demo:
         raise UserError("--demo picks a built-in model and --model-path a checkpoint: pass one of them")
@@ -339,6 +378,9 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         cpu_start_method=own.farskip_cpu_start_method or "fork",
         force_side_stream=own.farskip_test_force_side_stream,
         drop_partial=own.farskip_test_drop_partial,
+        max_logprobs=own.farskip_max_logprobs,
+        max_n=own.farskip_max_n,
+        max_request_tokens=own.farskip_max_request_tokens,
     )
     if on_cpu:
         argv = argv + _cpu_setup(given)
@@ -375,6 +417,11 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         raise UserError(f"SGLang rejected the arguments: {e}") from None
     resolved = resolving_view(server_args)
     _check_mla_layout(server_args, config)
+    if (getattr(resolved, "tokenizer_worker_num", 1) or 1) > 1:
+        raise UserError(
+            "--tokenizer-worker-num above 1 starts HTTP workers that SGLang runs without its API-key "
+            "check and without this launcher's request checks: leave it at 1"
+        )
     prefill_backend = getattr(resolved, "prefill_attention_backend", None) or resolved.attention_backend
     if opts.cpu_attention == "mha" and prefill_backend != "torch_native":
         raise UserError(
@@ -453,9 +500,22 @@ def main(argv: list[str] | None = None) -> int:
     from sglang.srt.entrypoints.http_server import launch_server
     from sglang.srt.utils import kill_process_tree
 
+    from sglang.srt.entrypoints.http_server import app
+
+    from sglang_farskip import options
+    from sglang_farskip.serve import admission, admin
+
     resolved = resolving_view(server_args)
     status_dir = os.environ[ENV_STATUS]
     _add_info_route(status_dir, info)
+    admin_routes = admin.require_admin_key(app)
+    logger.info("%d admin routes need the admin key (%s): %s", len(admin_routes),
+                "set" if resolved.admin_api_key else "none set, so they answer 403",
+                " ".join(admin_routes))
+    try:
+        admission.install(options.current())
+    except UserError as e:
+        return fail(e)
     if info["node_rank"] == 0:
         host = "127.0.0.1" if resolved.host in ("0.0.0.0", "::") else resolved.host
         base_url = f"http://{host}:{resolved.port}"

@@ -19,6 +19,10 @@ Nothing else changes: the running server keeps and checks its keys as before.
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+
 SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
 SECRET_FLAGS = ("--api-key", "--admin-api-key")
 REDACTED = "<redacted>"
@@ -98,3 +102,37 @@ def install() -> None:
          _dump_without_keys),
     ):
         HookRegistry.register(target, hook, HookType.AROUND)
+
+
+def take_from_environment(name: str) -> str | None:
+    """Read the secret in environment variable `name` once and remove it from this process,
+    so that no process started from here on inherits it. None if unset.
+
+    Removing it from `os.environ` is not enough: /proc/PID/environ shows the block the process
+    was started with, and SGLang's CPU workers are forked (they copy that block). So the bytes of
+    `NAME=value` in that block are overwritten too; nothing points at them once the variable is
+    unset (Python keeps its own copy, which `pop` drops)."""
+    value = os.environ.pop(name, None)  # also unsetenv(3): the libc view
+    if value is None:
+        return None
+    try:
+        _zero_in_initial_environment(f"{name}={value}".encode())
+    except (OSError, ValueError) as e:  # e.g. no /proc: the variable is still unset
+        logging.getLogger(__name__).warning("could not clear %s from /proc/self/environ: %s", name, e)
+    return value
+
+
+def _zero_in_initial_environment(entry: bytes) -> None:
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    # Fields 50 and 51 of proc(5), env_start and env_end; fields[0] here is field 3 (state).
+    env_start, env_end = int(fields[47]), int(fields[48])
+    with open("/proc/self/environ", "rb") as f:
+        block = f.read()
+    offset = 0
+    while (offset := block.find(entry, offset)) != -1:
+        if offset == 0 or block[offset - 1] == 0:  # a whole entry, not the tail of another
+            if env_start + offset + len(entry) > env_end:
+                raise ValueError("entry beyond env_end")
+            ctypes.memset(env_start + offset, 0, len(entry))
+        offset += len(entry)

@@ -28,6 +28,18 @@ START_TIMEOUT_S = 240  # a CPU start is 25-45 s here; CI machines are slower whe
 # tests/test_deploy_two_nodes.py run it compiled, as users do (`Server(..., eager=False)`).
 EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 
+# Our launcher's admin routes (/flush_cache, ...) answer only an admin key (serve/admin.py):
+# test servers get this one unless a test gives its own.
+ADMIN_KEY = "adm-farskip-testbed-3b8e61c0"
+
+
+def admin_post(base_url: str, path: str, payload: dict | None = None, key: str = ADMIN_KEY,
+               timeout: float = 60) -> dict:
+    req = urllib.request.Request(base_url + path, data=json.dumps(payload or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
 
 class Server:
     def __init__(self, args: list[str], *, stock: bool = False, env: dict | None = None,
@@ -37,6 +49,8 @@ class Server:
         module = "sglang.launch_server" if stock else "sglang_farskip.launch_server"
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *args]
         full_env = {**os.environ, **(EAGER if eager else {}), **(env or {})}
+        if not stock and not any(a.startswith("--admin-api-key") for a in args):
+            full_env.setdefault("FARSKIP_ADMIN_API_KEY", ADMIN_KEY)
         if stock:
             # Stock SGLang on CPU: SGLang's own launcher, only our CPU-fix plugin, the same
             # environment our launcher would set.
@@ -93,6 +107,10 @@ class Server:
         )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
+
+    def admin(self, path: str, payload: dict | None = None) -> dict:
+        """POST to an admin route with the testbed's admin key."""
+        return admin_post(self.url, path, payload)
 
     def get(self, path: str, timeout: float = 30) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
