@@ -19,7 +19,8 @@ set -euo pipefail
 # tests/test_deploy_static.py checks all three against this list.
 FARSKIP_ENV_VARS=(
   NODE_RANK NNODES MASTER_ADDR MASTER_PORT
-  MODEL_PATH TP_SIZE EP_SIZE FARSKIP_MODE HTTP_HOST HTTP_PORT API_KEY FARSKIP_ALLOW_NO_API_KEY
+  MODEL_PATH TP_SIZE EP_SIZE FARSKIP_MODE HTTP_HOST HTTP_PORT FARSKIP_ALLOW_NO_API_KEY
+  API_KEY API_KEY_FILE ADMIN_API_KEY ADMIN_API_KEY_FILE
   NET_IFNAME GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP
   DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING GPU_MAX_HW_QUEUES
   WATCHDOG WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES WATCHDOG_START_TIMEOUT
@@ -146,9 +147,39 @@ case "$HTTP_HOST" in
   127.* | ::1 | localhost) loopback=1 ;;
   *) loopback=0 ;;
 esac
-if ((loopback == 0)) && [[ -z "${API_KEY:-}" && "$FARSKIP_ALLOW_NO_API_KEY" != 1 ]]; then
-  err "API_KEY is not set and the API would listen on HTTP_HOST=$HTTP_HOST: set API_KEY (clients send 'Authorization: Bearer <key>'), or set FARSKIP_ALLOW_NO_API_KEY=1 to serve without a key, or HTTP_HOST=127.0.0.1"
+# The keys: KEY or KEY_FILE (Docker and Kubernetes secrets are files; a file keeps the key out
+# of `docker inspect` and the pod spec). Only node 0 serves the API, so only node 0 takes them.
+# How long a key must be, and that the two differ, the launcher checks (one place).
+read_key() { # read_key NAME VALUE FILE: sets key_NAME from VALUE, or from the file FILE
+  local name=$1 value=$2 file=$3
+  if [[ -n "$value" && -n "$file" ]]; then
+    key_unreadable=1
+    err "$name and ${name}_FILE are both set: keep one (the file, for a Docker or Kubernetes secret)"
+  elif [[ -n "$file" ]]; then
+    value=""
+    if [[ ! -f "$file" || ! -r "$file" ]]; then
+      key_unreadable=1
+      err "${name}_FILE=$file is not a readable file: mount the secret there, or unset ${name}_FILE"
+    else
+      value="$(<"$file")" # without the trailing newline
+      if [[ -z "$value" ]]; then key_unreadable=1 && err "${name}_FILE=$file is empty: write the key into it"; fi
+    fi
+  fi
+  printf -v "key_$name" '%s' "$value"
+}
+key_API_KEY="" key_ADMIN_API_KEY="" key_unreadable=0 node0=0
+if is_uint "${NODE_RANK:-}" && ((10#$NODE_RANK == 0)); then node0=1; fi
+if ((node0)); then
+  read_key API_KEY "${API_KEY:-}" "${API_KEY_FILE:-}"
+  read_key ADMIN_API_KEY "${ADMIN_API_KEY:-}" "${ADMIN_API_KEY_FILE:-}"
 fi
+if ((node0 && loopback == 0 && !key_unreadable)) && [[ -z "$key_API_KEY" && "$FARSKIP_ALLOW_NO_API_KEY" != 1 ]]; then
+  err "API_KEY is not set and the API would listen on HTTP_HOST=$HTTP_HOST: set API_KEY or API_KEY_FILE (clients send 'Authorization: Bearer <key>'), or set FARSKIP_ALLOW_NO_API_KEY=1 to serve without a key, or HTTP_HOST=127.0.0.1"
+fi
+case " ${EXTRA_ARGS:-} " in
+  *" --api-k"* | *" --admin-api-k"* | *" --admin-a"*)
+    err "EXTRA_ARGS holds an API key flag, which shows on the command line: set API_KEY/ADMIN_API_KEY (or their _FILE) instead" ;;
+esac
 
 if [[ -z "${MODEL_PATH:-}" ]]; then
   err "MODEL_PATH is not set: set it to the checkpoint directory as seen inside the container (e.g. /models/DeepSeek-V3-FarSkip), or to 'demo' for the built-in tiny model"
@@ -332,16 +363,14 @@ cmd+=(
   --dist-timeout "$DIST_TIMEOUT"
   --host "$HTTP_HOST" --port "$HTTP_PORT"
 )
-# The launcher reads the key from FARSKIP_API_KEY and gives it to SGLang as --api-key, so it
-# never appears on a command line (ps shows those to every user of the node).
-api_key_set=0
-if [[ -n "${API_KEY:-}" ]]; then
-  export FARSKIP_API_KEY="$API_KEY"
-  api_key_set=1
-else
-  unset FARSKIP_API_KEY
-fi
-unset API_KEY
+# The launcher reads the keys from FARSKIP_API_KEY and FARSKIP_ADMIN_API_KEY, gives them to
+# SGLang as --api-key/--admin-api-key in its own memory, so they never appear on a command line
+# (ps shows those to every user of the node), and removes them from the environment of every
+# process the server starts.
+unset FARSKIP_API_KEY FARSKIP_ADMIN_API_KEY
+if [[ -n "$key_API_KEY" ]]; then export FARSKIP_API_KEY="$key_API_KEY"; fi
+if [[ -n "$key_ADMIN_API_KEY" ]]; then export FARSKIP_ADMIN_API_KEY="$key_ADMIN_API_KEY"; fi
+unset API_KEY ADMIN_API_KEY key_API_KEY key_ADMIN_API_KEY
 if ((multinode)); then
   cmd+=(--dist-init-addr "$dist_init_addr")
 fi
@@ -388,7 +417,8 @@ if [[ "$dry_run" == 1 ]]; then
   for var in "${FARSKIP_ENV_VARS[@]}"; do
     if [[ -v "$var" ]]; then printf '%s=%q\n' "$var" "${!var}"; fi
   done
-  if ((api_key_set)); then echo "API_KEY=<set, not shown>"; fi
+  if [[ -v FARSKIP_API_KEY ]]; then echo "API_KEY=<set, not shown>"; fi
+  if [[ -v FARSKIP_ADMIN_API_KEY ]]; then echo "ADMIN_API_KEY=<set, not shown>"; fi
   printf '%q ' "${cmd[@]}"
   echo
   exit 0

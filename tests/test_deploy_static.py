@@ -636,11 +636,28 @@ def test_entrypoint_single_node_demo(model):
     assert flag(argv, "--nnodes") == "1"
 
 
-def test_entrypoint_api_key_never_on_a_command_line(model):
+ADMIN_TEST_KEY = "farskip-static-admin-key"
+
+
+@pytest.mark.parametrize("source", ["variables", "files"])
+def test_entrypoint_api_key_never_on_a_command_line(model, tmp_path, source):
+    keys = {"API_KEY": TEST_API_KEY, "ADMIN_API_KEY": ADMIN_TEST_KEY}
+    if source == "files":  # a Docker or Kubernetes secret: the key in a file, a newline after it
+        for name, key in list(keys.items()):
+            (tmp_path / name).write_text(key + "\n")
+            keys[name], keys[f"{name}_FILE"] = None, str(tmp_path / name)
+    proc = check(good_env(model, NODE_RANK="0", **keys))
+    assert proc.returncode == 0, proc.stderr
+    assert TEST_API_KEY not in proc.stdout + proc.stderr and ADMIN_TEST_KEY not in proc.stdout + proc.stderr
+    assert "--api-key" not in command_of(proc)  # the launcher takes them from FARSKIP_*API_KEY
+    assert "API_KEY=<set, not shown>" in proc.stdout and "ADMIN_API_KEY=<set, not shown>" in proc.stdout
+
+
+def test_entrypoint_node1_needs_no_key_and_keeps_none(model):
+    """Node 1 serves no API: it starts without a key beyond loopback, and one given is dropped."""
+    assert check(good_env(model, API_KEY=None)).returncode == 0
     proc = check(good_env(model))
-    assert TEST_API_KEY not in proc.stdout + proc.stderr
-    assert "--api-key" not in command_of(proc)  # the launcher takes it from FARSKIP_API_KEY
-    assert "API_KEY=<set, not shown>" in proc.stdout
+    assert proc.returncode == 0 and "API_KEY=<set" not in proc.stdout
 
 
 @pytest.mark.parametrize("overrides", [
@@ -720,7 +737,12 @@ ERROR_CASES = {
     "NCCL_SOCKET_IFNAME matches nothing": ({"NCCL_SOCKET_IFNAME": "=lo0"}, "NCCL_SOCKET_IFNAME"),
     "unknown FARSKIP_PLATFORM": ({"FARSKIP_PLATFORM": "tpu"}, "FARSKIP_PLATFORM"),
     "FARSKIP_PYTHON missing": ({"FARSKIP_PYTHON": "/nonexistent/python3"}, "FARSKIP_PYTHON"),
-    "no API_KEY beyond loopback": ({"API_KEY": None}, "FARSKIP_ALLOW_NO_API_KEY=1"),
+    "no API_KEY beyond loopback": ({"NODE_RANK": "0", "API_KEY": None}, "FARSKIP_ALLOW_NO_API_KEY=1"),
+    "API_KEY and API_KEY_FILE": ({"NODE_RANK": "0", "API_KEY_FILE": "/etc/hostname"}, "keep one"),
+    "API_KEY_FILE missing": ({"NODE_RANK": "0", "API_KEY": None, "API_KEY_FILE": "/nonexistent/key"},
+                             "API_KEY_FILE=/nonexistent/key is not a readable file"),
+    "ADMIN_API_KEY_FILE empty": ({"NODE_RANK": "0", "ADMIN_API_KEY_FILE": "/dev/null"}, "is not a readable file"),
+    "a key flag in EXTRA_ARGS": ({"EXTRA_ARGS": "--admin-api-key x"}, "EXTRA_ARGS holds an API key flag"),
     "FARSKIP_ALLOW_NO_API_KEY not 0/1": ({"FARSKIP_ALLOW_NO_API_KEY": "yes"}, "FARSKIP_ALLOW_NO_API_KEY"),
     "WATCHDOG not 0/1": ({"WATCHDOG": "on"}, "WATCHDOG"),
     "WATCHDOG_FAILURES zero": ({"WATCHDOG_FAILURES": "0"}, "WATCHDOG_FAILURES"),
