@@ -53,10 +53,13 @@ def _add_arguments(parser):
     group.add_argument("--spec-details", action="store_true",
                        help="ask a speculative-decoding server how many verify steps each request took "
                             "(recorded as spec_verify_ct, for the accept length)")
-    # The key comes from the environment by default, as deploy/entrypoint.sh takes it: a key on
-    # a command line shows in `ps` and in the compose file.
-    group.add_argument("--api-key", default=os.environ.get("API_KEY", ""),
-                       help="sent as 'Authorization: Bearer KEY' (default: $API_KEY; none when empty)")
+    # No --api-key option: locust shows every option's value on its web UI (all interfaces, no
+    # login), and a key on a command line shows in `ps`. The key is $API_KEY (api_key()).
+
+
+def api_key() -> str:
+    """The servers' key, sent as 'Authorization: Bearer KEY': $API_KEY, none when empty."""
+    return os.environ.get("API_KEY", "")
 
 
 class _Run:
@@ -365,7 +368,7 @@ class StreamingUser(User):
         session = self.session or _session()
         try:
             stream_request(session, self.host.rstrip("/"), self.opts.endpoint, prompt, rec,
-                           self.opts.model, self.opts.request_timeout, self.opts.api_key,
+                           self.opts.model, self.opts.request_timeout, api_key(),
                            self.opts.spec_details)
         except gevent.GreenletExit:
             self._write(rec)  # killed mid-request: accounted for as a failure, never dropped

@@ -1,6 +1,7 @@
 """The launcher's flags and the user pages agree: every `--farskip-*` flag the launcher defines
-is documented in README.md or docs/*.md, and every one those pages name exists. Fast: it reads
-the launcher's parser (no SGLang import) and the Markdown."""
+is documented in README.md or docs/*.md, and every one those pages name exists (the launcher's
+parser: no SGLang import); and the admin routes docs/serving.md lists are the ones that need the
+admin key (this one imports SGLang's HTTP app)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_every_documented_flag_exists():
     shown, hidden = launcher_flags()
     unknown = {flag: pages for flag, pages in documented_flags().items() if flag not in shown | hidden}
     assert not unknown, f"pages name --farskip-* flags the launcher does not have: {unknown}"
+
+
+def test_the_admin_routes_listed_are_the_routes_that_need_the_admin_key():
+    """docs/serving.md lists the admin routes; the launcher marks them on SGLang's app."""
+    from sglang.srt.entrypoints.http_server import app
+
+    from sglang_farskip.serve.admin import require_admin_key
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    listing = text.split("The admin routes of SGLang 0.5.23:", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r"`(/[a-z_/{}-]+)`", listing)) == set(require_admin_key(app))

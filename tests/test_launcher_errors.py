@@ -32,8 +32,9 @@ import json, os, sys
 from unittest import mock
 from sglang_farskip.serve import launcher as L
 out = {}
-for name, argv in json.load(sys.stdin).items():
-    with mock.patch.dict(os.environ):
+for name, case in json.load(sys.stdin).items():
+    argv, env = (case["argv"], case["env"]) if isinstance(case, dict) else (case, {})
+    with mock.patch.dict(os.environ, env):
         try:
             L.prepare(argv)
             out[name] = None
@@ -53,6 +54,23 @@ UNSUPPORTED = {
     "tbo_deepep": (["--enable-two-batch-overlap", "--moe-a2a-backend", "deepep"], "--moe-a2a-backend none"),
     "pp": (["--pp-size", "2"], "--pp-size 1"),
     "shared_fusion": (["--enforce-shared-experts-fusion"], "drop --enforce-shared-experts-fusion"),
+}
+
+
+GOOD_KEY = "sk-farskip-launcher-test-0001"
+BAD_KEYS = {  # (argv, environment, fragments of the error)
+    "empty_key_flag": (["--api-key="], {}, ["--api-key (or FARSKIP_API_KEY) is empty", "would check no key"]),
+    "empty_key_env": ([], {"FARSKIP_API_KEY": ""}, ["is empty"]),
+    "short_key_env": ([], {"FARSKIP_API_KEY": "short"}, ["is 5 characters long", "at least 16"]),
+    "short_admin_key": (["--admin-api-key", "adm-short"], {}, ["--admin-api-key", "at least 16"]),
+    "same_keys": (["--api-key", GOOD_KEY], {"FARSKIP_ADMIN_API_KEY": GOOD_KEY},
+                  ["are the same key", "own key"]),
+    "tokenizer_workers": (["--tokenizer-worker-num", "2"], {"FARSKIP_API_KEY": GOOD_KEY},
+                          ["--tokenizer-worker-num", "leave it at 1"]),
+}
+BAD_LIMITS = {
+    "max_n_zero": (["--farskip-max-n", "0"], ["--farskip-max-n 0", "at least 1"]),
+    "max_logprobs_negative": (["--farskip-max-logprobs=-1"], ["--farskip-max-logprobs -1"]),
 }
 
 
@@ -82,6 +100,8 @@ def refused(tmp_path_factory) -> dict[str, str | None]:
         "start_method_on_gpu": ["--model-path", demo, "--device", "cuda", "--farskip-cpu-start-method", "spawn"],
         "tc_piecewise": ["--model-path", demo, "--farskip-gpu-overlap",
                          "--cuda-graph-backend-prefill", "tc_piecewise"],
+        **{name: {"argv": ["--model-path", demo, *argv], "env": env} for name, (argv, env, _) in BAD_KEYS.items()},
+        **{name: ["--model-path", demo, *argv] for name, (argv, _) in BAD_LIMITS.items()},
     }
     proc = subprocess.run([sys.executable, "-c", _TRY_EACH], input=json.dumps(cases),
                           capture_output=True, text=True, timeout=4 * TIME_BOUND_S)  # 14 cases, ~45 s here
@@ -94,6 +114,17 @@ def assert_refused(message: str | None, *fragments: str) -> None:
     assert message is not None, "the launcher accepted it"
     for fragment in fragments:
         assert fragment in message, message
+
+
+@pytest.mark.parametrize("case", list(BAD_KEYS))
+def test_bad_keys_are_refused(refused, case):
+    assert_refused(refused[case], *BAD_KEYS[case][2])
+    assert GOOD_KEY not in refused[case]  # the message never repeats a key
+
+
+@pytest.mark.parametrize("case", list(BAD_LIMITS))
+def test_bad_request_limits_are_refused(refused, case):
+    assert_refused(refused[case], *BAD_LIMITS[case][1])
 
 
 def test_missing_model_path(refused):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 
@@ -56,8 +57,8 @@ def fetch(url: str, key: str | None) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def process_tree_cmdlines(root_pid: int) -> dict[int, str]:
-    """Command line of the launcher and every process of its session (start_new_session)."""
+def process_tree_files(root_pid: int, name: str) -> dict[int, bytes]:
+    """/proc/PID/NAME of the launcher and every process of its session (start_new_session)."""
     sid = os.getsid(root_pid)
     out = {}
     for entry in os.listdir("/proc"):
@@ -67,11 +68,16 @@ def process_tree_cmdlines(root_pid: int) -> dict[int, str]:
         try:
             if os.getsid(pid) != sid:
                 continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                out[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/{name}", "rb") as f:
+                out[pid] = f.read()
         except (OSError, ProcessLookupError):
             continue
     return out
+
+
+def process_tree_cmdlines(root_pid: int) -> dict[int, str]:
+    return {pid: raw.replace(b"\0", b" ").decode(errors="replace")
+            for pid, raw in process_tree_files(root_pid, "cmdline").items()}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +104,8 @@ def keyed(servers):
     """For each server: its endpoints' answers and its processes' command lines."""
     seen = {}
     for name, server in servers.items():
-        seen[name] = {"cmdlines": process_tree_cmdlines(server.proc.pid), "launcher": server.proc.pid}
+        seen[name] = {"cmdlines": process_tree_cmdlines(server.proc.pid), "launcher": server.proc.pid,
+                      "environs": process_tree_files(server.proc.pid, "environ")}
         if name == "node1":
             continue
         key = {"flag": KEY, "env": ENV_KEY}.get(name, NODES_KEY)
@@ -184,3 +191,49 @@ def test_no_key_on_a_command_line_but_the_users_own(keyed, name):
             continue
         for key in ALL_KEYS:
             assert key not in cmdline, (name, pid, cmdline[:300])
+
+
+# ------------------------------------------------------------------ environments and locust's UI
+@pytest.mark.parametrize("name", ["env", "node0", "node1"])
+def test_no_key_in_any_process_environment(keyed, name):
+    """The launcher reads FARSKIP_API_KEY once and clears it (redact.take_from_environment): not
+    in /proc/PID/environ of the launcher or of any process it started (the CPU workers are
+    forked, so they would copy the launcher's start-up environment block)."""
+    environs = keyed[name]["environs"]
+    assert len(environs) >= 2, environs
+    for pid, environ in environs.items():
+        for key in ALL_KEYS:
+            assert key.encode() not in environ, (name, pid)
+        assert b"FARSKIP_API_KEY=" not in environ, (name, pid)
+
+
+def test_locust_has_no_key_option_and_its_ui_shows_no_key(tmp_path):
+    """locust serves its options on a web UI (all interfaces by default, no login): the key is
+    read from $API_KEY by the locustfile, never a locust option."""
+    import subprocess
+    import sys
+    import time
+
+    from sglang_farskip.testbed import REPO
+
+    locust = [sys.executable, "-m", "locust", "-f", str(REPO / "bench" / "locustfile.py")]
+    env = {**os.environ, "API_KEY": ENV_KEY}
+    options = re.findall(r"add_argument\(\s*\"(--[a-z-]+)\"", (REPO / "bench" / "locustfile.py").read_text())
+    assert "--max-tokens" in options and not [o for o in options if "key" in o], options
+    port = free_port()
+    proc = subprocess.Popen([*locust, "--web-host", "127.0.0.1", "--web-port", str(port), "-H", "http://127.0.0.1:9",
+                             "--input-len", "4", "--vocab-size", "100"], env=env,
+                            stdout=open(tmp_path / "locust.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline, page = time.monotonic() + 120, None
+        while page is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                page = fetch(f"http://127.0.0.1:{port}/", None)[1]
+            except OSError:
+                time.sleep(0.5)
+        assert page is not None, (tmp_path / "locust.log").read_text()[-2000:]
+        assert b"http://127.0.0.1:9" in page  # the UI shows what it was given ...
+        assert ENV_KEY.encode() not in page  # ... and not the key
+    finally:
+        proc.kill()
+        proc.wait()

@@ -43,14 +43,14 @@ def admin_post(base_url: str, path: str, payload: dict | None = None, key: str =
 
 class Server:
     def __init__(self, args: list[str], *, stock: bool = False, env: dict | None = None,
-                 log_path: Path | None = None, eager: bool = True):
+                 log_path: Path | None = None, eager: bool = True, admin_key: str | None = ADMIN_KEY):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         module = "sglang.launch_server" if stock else "sglang_farskip.launch_server"
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *args]
         full_env = {**os.environ, **(EAGER if eager else {}), **(env or {})}
-        if not stock and not any(a.startswith("--admin-api-key") for a in args):
-            full_env.setdefault("FARSKIP_ADMIN_API_KEY", ADMIN_KEY)
+        if admin_key and not stock and not any(a.startswith("--admin-api-key") for a in args):
+            full_env.setdefault("FARSKIP_ADMIN_API_KEY", admin_key)
         if stock:
             # Stock SGLang on CPU: SGLang's own launcher, only our CPU-fix plugin, the same
             # environment our launcher would set.
