@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Build one of the images with the versions in docker/versions.env.
 #
-#   docker/build.sh rocm|cuda|cpu [--print] [extra `docker build` arguments...]
+#   docker/build.sh rocm|cuda|cpu [--print] [--local-base] [extra `docker build` arguments...]
 #
 # The image is tagged $FARSKIP_IMAGE if set, else sglang-farskip:<FARSKIP_VERSION>-<flavour>,
-# the name deploy/compose.yaml uses by default. --print shows the command instead of running it.
+# the name deploy/compose.yaml uses by default. --print shows the command instead of running it
+# (and checks nothing below).
+#
+# Bases (the Dockerfile's *_IMAGE arguments, from versions.env or --build-arg NAME=IMAGE): a
+# release build takes a registry image only by digest, NAME[:TAG]@sha256:<64 hex>, and refuses
+# anything else (exit 2, one line), the placeholders in versions.env included. --local-base is
+# for bases built on this machine (the tests' stand-ins, made without a registry): each must be
+# an image the local engine already has, so nothing is pulled by tag.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 versions="$root/docker/versions.env"
@@ -14,8 +21,14 @@ case "$flavour" in
   rocm | cuda | cpu) shift ;;
   *) echo "usage: $0 rocm|cuda|cpu [--print] [docker build arguments...]" >&2; exit 2 ;;
 esac
-print=0
-if [[ "${1:-}" == --print ]]; then print=1; shift; fi
+print=0 local_base=0
+while [[ "${1:-}" == --print || "${1:-}" == --local-base ]]; do
+  case "$1" in
+    --print) print=1 ;;
+    --local-base) local_base=1 ;;
+  esac
+  shift
+done
 dockerfile="$root/docker/Dockerfile.$flavour"
 
 # Read KEY=VALUE lines without executing the file; anything else is a mistake worth stopping on.
@@ -41,26 +54,57 @@ while read -r name; do
   args+=(--build-arg "$name=${version[$name]}")
 done < <(sed -n 's/^ARG \([A-Z][A-Z0-9_]*\).*/\1/p' "$dockerfile" | sort -u)
 
-image="${FARSKIP_IMAGE:-sglang-farskip:${version[FARSKIP_VERSION]}-$flavour}"
-cmd=(docker build -f "$dockerfile" -t "$image" "${args[@]}" "$@" "$root")
+tag="${FARSKIP_IMAGE:-sglang-farskip:${version[FARSKIP_VERSION]}-$flavour}"
+cmd=(docker build -f "$dockerfile" -t "$tag" "${args[@]}" "$@" "$root")
 if ((print)); then
   printf '%q ' "${cmd[@]}"
   echo
   exit 0
 fi
-# The ROCm base is tagged with its build date (vX.Y.Z-rocm724-mi30x-YYYYMMDD), which could not be
-# looked up where versions.env was written: until someone pins the real tag (or a digest),
-# building from the undated name would fail late inside docker, or pull something unpinned.
-if [[ "$flavour" == rocm && " $* " != *" SGLANG_ROCM_IMAGE="* && " $* " != *" --build-arg=SGLANG_ROCM_IMAGE="* ]] &&
-  [[ ! "${version[SGLANG_ROCM_IMAGE]}" =~ (-[0-9]{8}|@sha256:[0-9a-f]{64})$ ]]; then
-  echo "error: $versions: SGLANG_ROCM_IMAGE=${version[SGLANG_ROCM_IMAGE]} is not a dated tag or digest;" \
-    "set it to the published v${version[SGLANG_VERSION]} tag (lmsysorg/sglang-rocm:v${version[SGLANG_VERSION]}-rocm724-mi30x-YYYYMMDD," \
-    "from Docker Hub), or pass --build-arg SGLANG_ROCM_IMAGE=IMAGE" >&2
-  exit 2
-fi
+# The bases this build starts from: each *_IMAGE argument the Dockerfile declares, as given on
+# the command line (docker takes the last --build-arg of a name) or else in versions.env.
+declare -A base=()
+for name in "${!version[@]}"; do
+  if [[ "$name" == *_IMAGE ]] && grep -q "^ARG $name\$" "$dockerfile"; then base[$name]="${version[$name]}"; fi
+done
+argv=("$@")
+for ((i = 0; i < ${#argv[@]}; i++)); do
+  arg="${argv[i]}"
+  if [[ "$arg" == --build-arg && $((i + 1)) -lt ${#argv[@]} ]]; then
+    i=$((i + 1))
+    arg="${argv[i]}"
+  elif [[ "$arg" == --build-arg=* ]]; then
+    arg="${arg#--build-arg=}"
+  else
+    continue
+  fi
+  name="${arg%%=*}"
+  if [[ -n "${base[$name]+set}" ]]; then base[$name]="${arg#*=}"; fi
+done
+for name in "${!base[@]}"; do
+  image="${base[$name]}"
+  if ((!local_base)) && [[ ! "$image" =~ ^[^[:space:]@]+@sha256:[0-9a-f]{64}$ ]]; then
+    # The ROCm tag carries a build date that versions.env cannot know in advance.
+    dated=""
+    [[ "$image" == *YYYYMMDD* ]] && dated="put the published tag's date for YYYYMMDD, then "
+    echo "error: $name=$image is not pinned by digest: a release build takes a registry base only as" \
+      "NAME:TAG@sha256:<64 hex>; ${dated}write its digest into $versions (\`docker buildx imagetools inspect ${image%@*}\`" \
+      "or \`crane digest ${image%@*}\` prints it; docs/deploy.md, \"Pinned bases\"), or pass --local-base for a base built on this machine" >&2
+    exit 2
+  fi
+done
 if ! command -v docker >/dev/null 2>&1; then
   echo "error: docker is not installed; install Docker Engine (or run with --print)" >&2
   exit 2
+fi
+if ((local_base)); then
+  for name in "${!base[@]}"; do
+    if ! docker image inspect "${base[$name]}" >/dev/null 2>&1; then
+      echo "error: --local-base: $name=${base[$name]} is not an image this Docker engine has; build the" \
+        "stand-in first (tests/docker_images.py), or drop --local-base and build from a registry base by digest" >&2
+      exit 2
+    fi
+  done
 fi
 if docker buildx version >/dev/null 2>&1; then
   # BuildKit reads docker/Dockerfile.<flavour>.dockerignore, which keeps .venv/ out.
@@ -88,4 +132,4 @@ while IFS= read -r line || [[ -n "$line" ]]; do
   esac
 done <"$ignore"
 tar -C "$root" -c "${exclude[@]}" -- "docker/Dockerfile.$flavour" "${include[@]}" |
-  DOCKER_BUILDKIT=0 docker build -f "docker/Dockerfile.$flavour" -t "$image" "${args[@]}" "$@" -
+  DOCKER_BUILDKIT=0 docker build -f "docker/Dockerfile.$flavour" -t "$tag" "${args[@]}" "$@" -

@@ -38,9 +38,17 @@ if ! "$python" -c "$probe"; then
   exit 1
 fi
 
-# --no-deps: the package's declared dependencies are SGLang's and torch's own, which the image
-# already has in the builds it was tested with; a resolver run could replace them.
-"${pip[@]}" --no-deps "$src"
+# Build and install this package with nothing fetched but the hash-checked setuptools:
+# - setuptools (pyproject.toml's exact pin) from requirements/build.lock, into a scratch
+#   directory on PYTHONPATH rather than the image's Python, whose own setuptools stays as it is;
+# - --no-build-isolation: pip would otherwise fetch the build backend itself, unhashed;
+# - --no-index: nothing else can come from an index, so an unpinned fetch fails the build;
+# - --no-deps: the package's declared dependencies are SGLang's and torch's own, which the
+#   image already has in the builds it was tested with; a resolver run could replace them.
+build_deps="$(mktemp -d)"
+"${pip[@]}" --require-hashes --no-deps --target "$build_deps" -r "$src/requirements/build.lock"
+PYTHONPATH="$build_deps" "${pip[@]}" --no-deps --no-build-isolation --no-index "$src"
+rm -rf "$build_deps" "$src/build"
 # The same command as every other install (scripts/bootstrap.sh, CI): patches SGLang in place.
 "$python" -m sglang_farskip.tools.patches apply
 

@@ -43,9 +43,10 @@ def versions() -> dict[str, str]:
 
 
 def build(flavour: str, image: str, *args: str) -> float:
-    """docker/build.sh FLAVOUR, tagged IMAGE; seconds taken."""
+    """docker/build.sh FLAVOUR --local-base, tagged IMAGE; seconds taken. Every base here is a
+    stand-in built on this machine (no registry, so no digest): --local-base says so."""
     start = time.monotonic()
-    sh([str(DOCKER / "build.sh"), flavour, *args], timeout=BUILD_TIMEOUT_S,
+    sh([str(DOCKER / "build.sh"), flavour, "--local-base", *args], timeout=BUILD_TIMEOUT_S,
        env={"FARSKIP_IMAGE": image})
     return time.monotonic() - start
 
@@ -61,10 +62,10 @@ def ensure_images(report=print) -> dict[str, str]:
         start = time.monotonic()
         base = sh([str(DOCKER / "standin" / "python-base.sh")], timeout=900).stdout.strip()
         report(f"stand-in python base {base}: {time.monotonic() - start:.0f} s")
-        pypi = ["--build-arg", f"PYTHON_IMAGE={base}", "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]
-        seconds = build("cpu", CPU_IMAGE, *pypi)
+        standin = ["--build-arg", f"PYTHON_IMAGE={base}"]
+        seconds = build("cpu", CPU_IMAGE, *standin)
         report(f"docker/build.sh cpu ({CPU_IMAGE}): {seconds:.0f} s")
-        seconds = build("cpu", TORCH_SGLANG_IMAGE, *pypi, "--target", "torch-sglang")
+        seconds = build("cpu", TORCH_SGLANG_IMAGE, *standin, "--target", "torch-sglang")
         report(f"torch-sglang stage ({TORCH_SGLANG_IMAGE}): {seconds:.0f} s")
     return {"base": base, "cpu": CPU_IMAGE, "torch-sglang": TORCH_SGLANG_IMAGE,
             "sglang": versions()["SGLANG_VERSION"]}

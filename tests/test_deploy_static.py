@@ -46,7 +46,7 @@ PLATFORMS = ["rocm", "cuda", "cpu"]
 GPU_SERVICES = {"rocm": "farskip-rocm", "cuda": "farskip-cuda"}
 SHELL_SCRIPTS = [
     ENTRYPOINT, HEALTHCHECK, SBATCH, DOCKER / "build.sh", DOCKER / "install-farskip.sh",
-    DOCKER / "standin" / "python-base.sh", ROOT / ".ci" / "run",
+    DOCKER / "standin" / "python-base.sh", ROOT / ".ci" / "run", ROOT / "requirements" / "lock.sh",
 ]
 # Oldest Kubernetes minor these manifests claim to support (LWS itself needs >= 1.26), and the
 # newest kubernetes-validate knows.
@@ -275,9 +275,9 @@ def test_dockerfile_installs_like_every_other_install(platform):
     assert "*" in ignore, "the .dockerignore must exclude everything, then allow-list"
     allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     needed = {"pyproject.toml", "README.md", "python", "patches", "deploy/entrypoint.sh",
-              "deploy/healthcheck.sh", "docker/install-farskip.sh"}
+              "deploy/healthcheck.sh", "docker/install-farskip.sh", "requirements/build.lock"}
     if platform == "cpu":
-        needed.add("requirements/cpu.txt")
+        needed |= {"requirements/torch.lock", "requirements/sglang-cpu.lock"}
     assert needed <= allowed, f"not let through: {needed - allowed}"
     for path in needed - {"patches"}:
         assert (ROOT / path).exists(), f"Dockerfile.{platform} needs {path}, which is missing"
@@ -287,8 +287,181 @@ def test_dockerfile_installs_like_every_other_install(platform):
 
 def test_install_script_keeps_torch_and_applies_patches_with_the_one_command():
     text = (DOCKER / "install-farskip.sh").read_text()
-    assert '"${pip[@]}" --no-deps "$src"' in text
+    # The package alone (--no-deps), built by the hash-locked setuptools with nothing fetched.
+    assert ('PYTHONPATH="$build_deps" "${pip[@]}" --no-deps --no-build-isolation --no-index "$src"'
+            in text)
     assert '"$python" -m sglang_farskip.tools.patches apply' in text
+
+
+# ---------------------------------------------------------------- supply chain
+LOCKS = ROOT / "requirements"
+DIGEST = re.compile(r"^[^\s@]+@sha256:[0-9a-f]{64}$")
+# What docker/versions.env holds until a releaser fills in a digest (no registry was reachable
+# where it was written); docker/build.sh refuses it like a tag.
+PLACEHOLDER = re.compile(r"^[^\s@:]+:[^\s@]+@sha256:UNPINNED$")
+
+
+def image_tag(ref: str) -> str:
+    """The TAG of NAME:TAG[@sha256:...]."""
+    m = re.fullmatch(r"[^@]+:([^:@/]+)(?:@sha256:\S+)?", ref)
+    assert m, f"{ref} names no tag"
+    return m[1]
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins(path: Path) -> dict[str, str]:
+    """name -> version of the `name==version` lines of a requirements or lock file."""
+    return {norm(m[1]): m[2] for m in re.finditer(r"^([A-Za-z0-9][\w.-]*)==([^\s;\\]+)",
+                                                    path.read_text(), re.M)}
+
+
+def commands(text: str) -> list[str]:
+    """Shell commands of a script or a Dockerfile's RUN lines, continuations joined, split at
+    && / ; / |, comments dropped."""
+    joined = re.sub(r"\\\n", " ", "\n".join(line for line in text.splitlines()
+                                            if not line.lstrip().startswith("#")))
+    return [c.strip() for line in joined.splitlines() for c in re.split(r"&&|;|\|\|?", line)]
+
+
+def pip_installs(paths) -> list[tuple[str, str]]:
+    """(file, command) for every pip install: `pip install`, or the scripts' "${pip[@]}", an
+    array that starts with `pip install`."""
+    found = []
+    for path in paths:
+        for cmd in commands(path.read_text()):
+            if re.match(r"\w+=\(", cmd):  # an array's definition, run where it is used
+                continue
+            if re.search(r"\bpip3? install\b", cmd) or '"${pip[@]}"' in cmd:
+                found.append((path.name, cmd))
+    return found
+
+
+def unpinned_installs(paths) -> list[tuple[str, str]]:
+    """The pip installs that could fetch something no hash checks: neither --require-hashes
+    (every file checked against the lock) nor a local build with --no-deps, --no-index and
+    --no-build-isolation (nothing fetched at all)."""
+    local = ("--no-deps", "--no-index", "--no-build-isolation")
+    return [(f, c) for f, c in pip_installs(paths)
+            if "--require-hashes" not in c and not all(flag in c for flag in local)]
+
+
+def image_sources() -> list[Path]:
+    return sorted(p for p in DOCKER.rglob("*")
+                  if p.is_file() and (p.name.startswith("Dockerfile") and not p.suffix == ".dockerignore"
+                                      or p.suffix == ".sh"))
+
+
+def test_every_pip_install_in_the_images_is_hash_checked_or_fetches_nothing():
+    installs = pip_installs(image_sources())
+    # Not vacuous: the CPU image's two locks, the locust stand-in, and install-farskip.sh's
+    # "${pip[@]}" array, setuptools from the lock and the package itself.
+    assert len(installs) >= 5, installs
+    assert unpinned_installs(image_sources()) == []
+    # The `pip=(...)` array itself is the install command the script's lines extend.
+    assert re.search(r'^pip=\("\$python" -m pip install ', (DOCKER / "install-farskip.sh").read_text(), re.M)
+
+
+def test_the_pip_install_check_catches_an_unhashed_install(tmp_path):
+    bad = tmp_path / "Dockerfile.bad"
+    bad.write_text("FROM x\nRUN pip install --no-cache-dir --no-deps sglang==0.5.23\n"
+                   "RUN apt-get update \\\n    && pip install -r requirements.txt\n")
+    script = tmp_path / "bad.sh"
+    script.write_text('pip=(python -m pip install)\n"${pip[@]}" --no-deps "$src"\n')
+    assert len(unpinned_installs([bad, script])) == 3
+
+
+def test_the_locks_are_hashed_and_match_the_pins():
+    v = versions()
+    locks = {name: LOCKS / name for name in
+             ("build.lock", "torch.lock", "sglang-cpu.lock", "locust.lock")}
+    for name, path in locks.items():
+        text = path.read_text()
+        assert text.startswith("# Generated by requirements/lock.sh"), name
+        # Every requirement carries hashes (pip --require-hashes would refuse it in the build).
+        entries = re.split(r"\n(?=[A-Za-z0-9])", text.split("\n", 1)[1].strip())
+        assert entries and all("--hash=sha256:" in e for e in entries), name
+        assert len(entries) == len(pins(path)), f"{name}: an entry without an exact pin"
+    setuptools = re.search(r'^requires = \["setuptools==([^"]+)"\]$',
+                           (ROOT / "pyproject.toml").read_text(), re.M)
+    assert setuptools, "pyproject.toml [build-system] must pin setuptools exactly"
+    assert pins(locks["build.lock"]) == {"setuptools": setuptools[1]}
+    torch = pins(locks["torch.lock"])
+    assert torch["torch"] == v["TORCH_VERSION"] and torch["torchvision"] == v["TORCHVISION_VERSION"]
+    cpu = pins(LOCKS / "cpu.txt")
+    # Installed one after the other with --no-deps: the locks must agree where they overlap.
+    assert {k: torch[k] for k in torch.keys() & cpu.keys()} == {k: cpu[k] for k in torch.keys() & cpu.keys()}
+    assert pins(locks["sglang-cpu.lock"]) == {**cpu, "sglang": v["SGLANG_VERSION"]}
+    tools = pins(LOCKS / "tools.txt")
+    locust = pins(locks["locust.lock"])
+    assert locust["locust"] == tools["locust"] == image_tag(v["LOCUST_IMAGE"])
+    for name, version in locust.items():
+        assert tools.get(name, cpu.get(name, version)) == version, name
+
+
+def test_versions_name_registry_images_by_digest_or_a_marked_placeholder():
+    images = {k: v for k, v in versions().items() if k.endswith("_IMAGE")}
+    assert set(images) == {"SGLANG_CUDA_IMAGE", "SGLANG_ROCM_IMAGE", "PYTHON_IMAGE", "LOCUST_IMAGE"}
+    for key, ref in images.items():
+        assert DIGEST.match(ref) or PLACEHOLDER.match(ref), f"{key}={ref}: not IMAGE:TAG@sha256:<digest>"
+
+
+def fake_docker(tmp_path: Path, local: tuple[str, ...] = ()) -> dict[str, str]:
+    """PATH with a `docker` that records its arguments and has the images `local` only: what
+    build.sh decides is real, the engine is not needed to see it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "docker.log"
+    (bin_dir / "docker").write_text(
+        "#!/bin/bash\n"
+        f'echo "$*" >> {shlex.quote(str(log))}\n'
+        'if [[ "$1 $2" == "image inspect" ]]; then\n'
+        f'  for have in {" ".join(shlex.quote(i) for i in local)}; do [[ "$3" == "$have" ]] && exit 0; done\n'
+        "  exit 1\n"
+        "fi\n")
+    (bin_dir / "docker").chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DOCKER_LOG": str(log)}
+
+
+BASE_ARG = {"cuda": "SGLANG_CUDA_IMAGE", "rocm": "SGLANG_ROCM_IMAGE", "cpu": "PYTHON_IMAGE"}
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_release_build_refuses_a_base_without_a_digest(platform, tmp_path):
+    env = fake_docker(tmp_path, local=("farskip-standin/base:test",))
+    name = BASE_ARG[platform]
+    build = [str(DOCKER / "build.sh"), platform]
+
+    def refused(*args: str) -> str:
+        proc = run([*build, *args], env=env)
+        errors = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith("error:"), proc.stderr
+        return errors[0]
+
+    # versions.env as shipped (a placeholder until a releaser fills it in), a tag, a bad digest.
+    ref = versions()[name]
+    if not DIGEST.match(ref):
+        line = refused()
+        assert f"{name}={ref} is not pinned by digest" in line
+        assert f"docker buildx imagetools inspect {ref.split('@')[0]}" in line and "--local-base" in line
+        if "YYYYMMDD" in ref:
+            assert "date for YYYYMMDD" in line
+    for bad in ("python:3.11-slim-bookworm", "lmsysorg/sglang:v1@sha256:abc"):
+        assert f"{name}={bad} is not pinned" in refused("--build-arg", f"{name}={bad}")
+        assert f"{name}={bad} is not pinned" in refused(f"--build-arg={name}={bad}")
+    assert not Path(env["DOCKER_LOG"]).exists(), "docker ran for a refused build"
+    # A digest passes, and reaches docker build as given.
+    pinned = "example.org/base:1@sha256:" + "0" * 64
+    proc = run([*build, "--build-arg", f"{name}={pinned}"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"--build-arg {name}={pinned}" in Path(env["DOCKER_LOG"]).read_text()
+    # --local-base: a base this engine has passes, one it would have to pull is refused.
+    proc = run([*build, "--local-base", "--build-arg", f"{name}=farskip-standin/base:test"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    line = refused("--local-base", "--build-arg", f"{name}=python:3.11-slim-bookworm")
+    assert line.startswith(f"error: --local-base: {name}=python:3.11-slim-bookworm is not an image")
 
 
 def test_dockerignore_files_are_identical():
@@ -308,18 +481,6 @@ def test_build_script_passes_exactly_the_versions(platform):
     assert argv[argv.index("-t") + 1] == f"sglang-farskip:{versions()['FARSKIP_VERSION']}-{platform}"
 
 
-def test_rocm_build_stops_on_the_undated_base_tag():
-    """Until versions.env holds the ROCm base's real (dated) tag, a build says so in one line
-    instead of failing inside docker; --print still shows the command."""
-    if re.search(r"(-\d{8}|@sha256:[0-9a-f]{64})$", versions()["SGLANG_ROCM_IMAGE"]):
-        pytest.skip("SGLANG_ROCM_IMAGE is pinned to a dated tag or digest")
-    proc = run([str(DOCKER / "build.sh"), "rocm"])
-    assert proc.returncode == 2
-    errors = proc.stderr.strip().splitlines()
-    assert len(errors) == 1 and errors[0].startswith("error:"), proc.stderr
-    assert "SGLANG_ROCM_IMAGE" in errors[0] and "YYYYMMDD" in errors[0] and "--build-arg" in errors[0]
-
-
 def test_versions_file_matches_the_project_pins():
     v = versions()
     pyproject = (ROOT / "pyproject.toml").read_text()
@@ -334,7 +495,7 @@ def test_versions_file_matches_the_project_pins():
     # If the bench tools pin locust, the load-test image must be the same version.
     m = re.search(r"^locust==(\S+)", (ROOT / "requirements" / "tools.txt").read_text(), re.M)
     if m:
-        assert v["LOCUST_IMAGE"].endswith(f":{m[1]}")
+        assert image_tag(v["LOCUST_IMAGE"]) == m[1]
     # Only KEY=VALUE and whole-line comments: docker/build.sh and compose both read it.
     for line in VERSIONS.read_text().splitlines():
         assert not line or line.startswith("#") or re.fullmatch(r"[A-Z][A-Z0-9_]*=\S+", line), line

@@ -12,8 +12,8 @@ images are made from Debian's and PyPI's packages instead of pulled, and say so 
   torch-sglang stage (a Python with torch and SGLang 0.5.23, what the upstream images hold;
   no GPU), and one with SGLang 0.5.22 that the images must refuse;
 - locustio/locust -> docker/standin/Dockerfile.locust (the pinned locust from PyPI).
-PyTorch's CPU wheel index is not reachable either, so the CPU image is built with
-TORCH_INDEX_URL=https://pypi.org/simple (PyPI's torch is the CUDA build; it runs on CPU).
+Every build here passes docker/build.sh --local-base (the stand-ins have no digest); the
+packages come from PyPI through the hashed locks in requirements/, as in a release build.
 
 What runs (docker compose -f deploy/compose.yaml with the shipped env files):
 - the CPU demo profile: healthy, a streamed /v1/completions equal to the bootstrap venv's
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import pytest
 
-from docker_images import BUILD_TIMEOUT_S, VERSIONS, build, ensure_images, sh, versions
+from docker_images import BUILD_TIMEOUT_S, VERSIONS, build, ensure_images, sh
 from sglang_farskip.testbed.servers import Server, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,13 +112,17 @@ def report(request, line: str) -> None:
     item.user_properties.append(("measured", f"[docker] {line}"))
 
 
-def docker_build(dockerfile: Path, image: str, *build_args: str) -> subprocess.CompletedProcess:
-    """A stand-in: its Dockerfile copies nothing, so it goes on stdin with no context."""
+def docker_build(dockerfile: Path, image: str, *build_args: str,
+                 context: Path | None = None) -> subprocess.CompletedProcess:
+    """A stand-in: a Dockerfile that copies nothing goes on stdin with no context; one that
+    copies names its (small) context directory."""
     cmd = ["docker", "build", "-t", image]
     for arg in build_args:
         cmd += ["--build-arg", arg]
-    return subprocess.run([*cmd, "-"], input=dockerfile.read_text(), capture_output=True, text=True,
-                          timeout=BUILD_TIMEOUT_S, env={**os.environ, "DOCKER_BUILDKIT": "0"})
+    cmd += ["-f", str(dockerfile), str(context)] if context else ["-"]
+    return subprocess.run(cmd, input=None if context else dockerfile.read_text(),
+                          capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+                          env={**os.environ, "DOCKER_BUILDKIT": "0"})
 
 
 def compose_tool() -> str:
@@ -276,10 +280,8 @@ def test_cpu_demo_log_is_free_of_known_cpu_noise(demo):
 
 
 def test_loadtest_profile_against_the_demo(request, demo, images, tmp_path):
-    v = versions()
-    locust_version = v["LOCUST_IMAGE"].rsplit(":", 1)[1]
     proc = docker_build(DOCKER / "standin" / "Dockerfile.locust", LOCUST_IMAGE,
-                        f"PYTHON_IMAGE={images['base']}", f"LOCUST_VERSION={locust_version}")
+                        f"PYTHON_IMAGE={images['base']}", context=ROOT / "requirements")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = tmp_path / "loadtest"
     out.mkdir()
@@ -519,7 +521,7 @@ def test_gpu_image_refuses_another_sglang_version(images):
                         f"TORCH_SGLANG_IMAGE={images['torch-sglang']}", "PLATFORM=cuda",
                         "SGLANG_VERSION=0.5.22")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    proc = subprocess.run([str(DOCKER / "build.sh"), "cuda", "--force-rm",
+    proc = subprocess.run([str(DOCKER / "build.sh"), "cuda", "--local-base", "--force-rm",
                            "--build-arg", f"SGLANG_CUDA_IMAGE={standin}"],
                           capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
                           env={**os.environ, "FARSKIP_IMAGE": "sglang-farskip-test:cuda-wrong"})
