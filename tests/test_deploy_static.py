@@ -370,23 +370,39 @@ def test_k8s_builtin_kinds_validate(version):
     proc = run([tool("kubernetes-validate"), "--strict", "-k", version] + [str(f) for f in K8S_FILES])
     assert proc.returncode == 0 and "ERROR" not in proc.stdout, proc.stdout + proc.stderr
     kinds = {d["kind"] for _, d in k8s_docs()}
-    assert {"ConfigMap", "Service", "LeaderWorkerSet", "NetworkPolicy"} <= kinds
+    assert {"ConfigMap", "Service", "LeaderWorkerSet", "NetworkPolicy", "DaemonSet"} <= kinds
 
 
-def test_network_policy_admits_the_configured_ports_from_the_group_only():
+def test_network_policy_admits_everything_from_the_group_and_only_http_from_clients():
+    # The allowlist of deploy/firewall.nft (tests/test_firewall.py loads that one for real).
     (policy,) = [d for _, d in k8s_docs() if d["kind"] == "NetworkPolicy"]
     (configmap,) = [d for _, d in k8s_docs() if d["kind"] == "ConfigMap"]
-    master, http = int(configmap["data"]["MASTER_PORT"]), int(configmap["data"]["HTTP_PORT"])
+    http = int(configmap["data"]["HTTP_PORT"])
     group = {"leaderworkerset.sigs.k8s.io/name": lws_docs()[0][1]["metadata"]["name"]}
     assert policy["spec"]["podSelector"]["matchLabels"] == group
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
     peers, clients = policy["spec"]["ingress"]
-    assert peers["from"] == [{"podSelector": {"matchLabels": group}}]
-    assert {"protocol": "TCP", "port": master, "endPort": master + 7} in peers["ports"]
+    assert peers == {"from": [{"podSelector": {"matchLabels": group}}]}  # every port
     assert "from" not in clients and clients["ports"] == [{"protocol": "TCP", "port": http}]
-    # The same ranges as deploy/firewall.nft, which docs/deploy.md offers for every host.
-    nft = (DEPLOY / "firewall.nft").read_text()
-    for rule in peers["ports"][1:]:
-        assert f"{rule['port']}-{rule['endPort']}" in nft
+
+
+def host_firewall() -> dict:
+    (daemonset,) = [d for _, d in k8s_docs() if d["kind"] == "DaemonSet"]
+    return daemonset
+
+
+def test_host_firewall_sets_every_define_of_the_ruleset():
+    """The DaemonSet's env replaces the `define NAME = ` lines of deploy/firewall.nft: the same
+    names, so an edit of the ruleset's defines shows up here."""
+    spec = host_firewall()["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    defines = re.findall(r"^define (\w+) = ", (DEPLOY / "firewall.nft").read_text(), re.M)
+    assert [e["name"] for e in container["env"]] == defines
+    assert all(name in container["command"][2] for name in defines)
+    (configmap, http) = ([d for _, d in k8s_docs() if d["kind"] == "ConfigMap"][0],
+                         {e["name"]: e["value"] for e in container["env"]}["HTTP_PORT"])
+    assert http == configmap["data"]["HTTP_PORT"]
+    assert spec["hostNetwork"] is True  # the node's own network namespace
 
 
 def test_k8s_validator_rejects_a_broken_service(tmp_path):
@@ -468,6 +484,7 @@ def k8s_command_scripts() -> list[str]:
                 scripts.append(c["command"][2])
                 scripts += [c[probe]["exec"]["command"][2] for probe in ("startupProbe", "livenessProbe")
                             if "exec" in c.get(probe, {})]
+    scripts += [c["command"][2] for c in host_firewall()["spec"]["template"]["spec"]["containers"]]
     return scripts
 
 
@@ -514,7 +531,7 @@ def good_env(model: Path, **overrides) -> dict[str, str]:
     """A valid two-node setting on this machine: both "nodes" on loopback."""
     env = {
         "PATH": os.environ["PATH"], "FARSKIP_PYTHON": sys.executable,
-        "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "NET_IFNAME": "lo",
+        "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "WORKER_ADDRS": "127.0.0.1", "NET_IFNAME": "lo",
         "MODEL_PATH": str(model), "FARSKIP_PLATFORM": "rocm", "API_KEY": TEST_API_KEY,
         # The entrypoint asks FARSKIP_PYTHON's sglang_farskip (its modes): this checkout's.
         "PYTHONPATH": os.environ.get("PYTHONPATH"),

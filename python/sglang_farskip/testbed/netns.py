@@ -205,7 +205,7 @@ def node_env(rank: int, *, master_addr: str = ADDR[0], master_port: int, http_po
              dist_timeout: int, model_path: str, extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "MASTER_", "NCCL_", "GLOO_"))}
     env.update({
-        "NODE_RANK": str(rank), "NNODES": "2", "MASTER_ADDR": master_addr,
+        "NODE_RANK": str(rank), "NNODES": "2", "MASTER_ADDR": master_addr, "WORKER_ADDRS": ADDR[1],
         "MASTER_PORT": str(master_port), "HTTP_PORT": str(http_port),
         "MODEL_PATH": model_path, "TP_SIZE": "2", "EP_SIZE": "2",
         "NET_IFNAME": VETH[rank],  # SGLANG_HOST_IP and GLOO_SOCKET_IFNAME derived from it
