@@ -325,7 +325,7 @@ PY
     echo "error: WORKER_ADDRS is not set: set it to node 1's address on the cluster network (the other nodes', comma-separated, in NODE_RANK order), the same on every node; node 0's SGLang admits ZMQ connections only from it" >&2
     exit 2
   elif ((${#worker_hosts[@]} != 10#$NNODES - 1)); then
-    echo "error: WORKER_ADDRS=$WORKER_ADDRS names ${#worker_hosts[@]} address(es), NNODES=$NNODES needs $((10#$NNODES - 1)): one per node after node 0, comma-separated, in NODE_RANK order" >&2
+    echo "error: WORKER_ADDRS=$WORKER_ADDRS names ${#worker_hosts[@]} address(es), NNODES=$NNODES needs $((10#$NNODES - 1)): set one address per node after node 0, comma-separated, in NODE_RANK order" >&2
     exit 2
   fi
   zmq_peers=(127.0.0.1 ::1)
@@ -351,7 +351,7 @@ PY
   if ((10#$NODE_RANK > 0)); then
     read -ra own_ips <<<"$(resolve_all "${worker_hosts[10#$NODE_RANK - 1]}")"
     if [[ " ${own_ips[*]} " != *" $SGLANG_HOST_IP "* ]]; then
-      echo "error: WORKER_ADDRS names ${worker_hosts[10#$NODE_RANK - 1]} (${own_ips[*]}) for node $NODE_RANK, but this node is SGLANG_HOST_IP=$SGLANG_HOST_IP: node 0 would refuse its ZMQ connections; make them the same address (NET_IFNAME's)" >&2
+      echo "error: WORKER_ADDRS names ${worker_hosts[10#$NODE_RANK - 1]} (${own_ips[*]}) for node $NODE_RANK, but this node is SGLANG_HOST_IP=$SGLANG_HOST_IP: node 0 would refuse its ZMQ connections; set both to the same address (NET_IFNAME's)" >&2
       exit 2
     fi
   fi

@@ -669,6 +669,20 @@ def test_entrypoint_serves_without_a_key_on_loopback_or_by_choice(model, overrid
     assert flag(argv, "--host") == overrides.get("HTTP_HOST", "0.0.0.0")
 
 
+def test_entrypoint_sets_the_zmq_peer_allowlist(model):
+    """SGLang's ZMQ peer allowlist: loopback, this node, node 0 and the other nodes, as IP
+    addresses (SGLang parses each with `ipaddress`), and this node's connections pinned to its
+    own address. tests/test_firewall.py starts servers with it."""
+    proc = check(good_env(model, NODE_RANK="0", WORKER_ADDRS="localhost"))
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "ZMQ sockets admit" in x]
+    admitted = line.rsplit(" ", 1)[1].split(",")
+    assert admitted[:2] == ["127.0.0.1", "::1"] and len(admitted) == len(set(admitted))
+    import ipaddress
+    for address in admitted:
+        ipaddress.ip_address(address)  # "localhost" was resolved
+
+
 def test_entrypoint_ipv6_master_is_bracketed(model):
     argv = command_of(check(good_env(model, MASTER_ADDR="::1")))
     assert flag(argv, "--dist-init-addr") == "[::1]:50000"
@@ -721,6 +735,12 @@ ERROR_CASES = {
     "MASTER_ADDR malformed": ({"MASTER_ADDR": "node 0!"}, "MASTER_ADDR"),
     "MASTER_ADDR does not resolve": ({"MASTER_ADDR": "node0.invalid"}, "MASTER_ADDR"),
     "MASTER_PORT out of range": ({"MASTER_PORT": "70000"}, "MASTER_PORT"),
+    "missing WORKER_ADDRS": ({"WORKER_ADDRS": None}, "WORKER_ADDRS"),
+    "WORKER_ADDRS too many for NNODES": ({"WORKER_ADDRS": "127.0.0.1,127.0.0.2"}, "WORKER_ADDRS"),
+    "WORKER_ADDRS malformed": ({"WORKER_ADDRS": "node 1!"}, "WORKER_ADDRS"),
+    "WORKER_ADDRS does not resolve": ({"WORKER_ADDRS": "node1.invalid"}, "WORKER_ADDRS"),
+    # Node 0 would refuse node 1's ZMQ connections: its allowlist is WORKER_ADDRS.
+    "WORKER_ADDRS is not this node 1": ({"WORKER_ADDRS": "192.0.2.7"}, "SGLANG_HOST_IP"),
     "HTTP_PORT = MASTER_PORT": ({"HTTP_PORT": "50000"}, "MASTER_PORT"),
     "TP_SIZE not a number": ({"TP_SIZE": "sixteen"}, "TP_SIZE"),
     "EP_SIZE zero": ({"EP_SIZE": "0"}, "EP_SIZE"),
