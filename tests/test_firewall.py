@@ -161,8 +161,10 @@ def holes(from_ns: str) -> dict[str, list[str]]:
     return found
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def listener(lan):
+    """Listeners on node 0 for each probed port, for one test: gone before the servers start
+    (they bind HTTP_PORT and MASTER_PORT)."""
     proc = subprocess.Popen(["ip", "netns", "exec", NAMES.ns[0], sys.executable, "-c", LISTEN,
                              *map(str, PORTS)], stdout=subprocess.PIPE, text=True)
     try:
