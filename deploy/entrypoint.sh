@@ -18,7 +18,7 @@ set -euo pipefail
 # deploy/node0.env and deploy/node1.env list each one, deploy/compose.yaml passes each one;
 # tests/test_deploy_static.py checks all three against this list.
 FARSKIP_ENV_VARS=(
-  NODE_RANK NNODES MASTER_ADDR MASTER_PORT
+  NODE_RANK NNODES MASTER_ADDR WORKER_ADDRS MASTER_PORT
   MODEL_PATH TP_SIZE EP_SIZE FARSKIP_MODE HTTP_HOST HTTP_PORT FARSKIP_ALLOW_NO_API_KEY
   API_KEY API_KEY_FILE ADMIN_API_KEY ADMIN_API_KEY_FILE
   NET_IFNAME GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP
@@ -335,6 +335,60 @@ PY
     fi
     sleep 2
   done
+  # SGLang's ZMQ peer allowlist (SGLANG_ZMQ_ALLOWED_PEERS; sglang/srt/utils/network.py,
+  # restrict_zmq_peers): SGLang's TCP-bound ZMQ sockets (under DP attention node 0 binds them
+  # on MASTER_ADDR, its load snapshot socket too) unpickle what they receive, and admit only
+  # these source addresses: node 0 (MASTER_ADDR, which node 0's own processes also connect
+  # to), the other nodes (WORKER_ADDRS), this node and loopback. SGLang compares IP addresses
+  # (it parses each with `ipaddress` and fails on a name), so names are resolved here, retried
+  # like MASTER_ADDR. SGLANG_ZMQ_SOURCE_IP makes this node's connections leave from
+  # SGLANG_HOST_IP whatever other addresses the host has; node k>0 checks that this is the
+  # address node 0 admits for it (WORKER_ADDRS' k-th), else node 0 would refuse it and the
+  # rejected connection would wait without an error.
+  resolve_all() {  # every address of a host name or IP, one line, space-separated
+    "$FARSKIP_PYTHON" - "$1" <<'PY' 2>/dev/null
+import socket, sys
+print(*sorted({a[4][0] for a in socket.getaddrinfo(sys.argv[1], None, proto=socket.IPPROTO_TCP)}))
+PY
+  }
+  IFS=',' read -ra worker_hosts <<<"${WORKER_ADDRS:-}"
+  if [[ -z "${WORKER_ADDRS:-}" ]]; then
+    echo "error: WORKER_ADDRS is not set: set it to node 1's address on the cluster network (the other nodes', comma-separated, in NODE_RANK order), the same on every node; node 0's SGLang admits ZMQ connections only from it" >&2
+    exit 2
+  elif ((${#worker_hosts[@]} != 10#$NNODES - 1)); then
+    echo "error: WORKER_ADDRS=$WORKER_ADDRS names ${#worker_hosts[@]} address(es), NNODES=$NNODES needs $((10#$NNODES - 1)): set one address per node after node 0, comma-separated, in NODE_RANK order" >&2
+    exit 2
+  fi
+  zmq_peers=(127.0.0.1 ::1)
+  if [[ "$SGLANG_HOST_IP" != 127.0.0.1 ]]; then zmq_peers+=("$SGLANG_HOST_IP"); fi
+  for worker_host in "$MASTER_ADDR" "${worker_hosts[@]}"; do
+    worker_host="${worker_host#[}"
+    worker_host="${worker_host%]}"
+    if [[ ! "$worker_host" =~ ^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$ && ! "$worker_host" =~ ^[0-9A-Fa-f:.]+$ ]]; then
+      echo "error: WORKER_ADDRS=$WORKER_ADDRS: '$worker_host' is not a host name or IP address: give node 1's address, e.g. 10.0.0.2" >&2
+      exit 2
+    fi
+    until worker_ips="$(resolve_all "$worker_host")"; do
+      if ((SECONDS >= resolve_deadline)); then
+        echo "error: WORKER_ADDRS=$WORKER_ADDRS: '$worker_host' does not resolve on this node: use the node's IP address, or fix DNS / /etc/hosts" >&2
+        exit 2
+      fi
+      sleep 2
+    done
+    for worker_ip in $worker_ips; do
+      if [[ " ${zmq_peers[*]} " != *" $worker_ip "* ]]; then zmq_peers+=("$worker_ip"); fi
+    done
+  done
+  if ((10#$NODE_RANK > 0)); then
+    read -ra own_ips <<<"$(resolve_all "${worker_hosts[10#$NODE_RANK - 1]}")"
+    if [[ " ${own_ips[*]} " != *" $SGLANG_HOST_IP "* ]]; then
+      echo "error: WORKER_ADDRS names ${worker_hosts[10#$NODE_RANK - 1]} (${own_ips[*]}) for node $NODE_RANK, but this node is SGLANG_HOST_IP=$SGLANG_HOST_IP: node 0 would refuse its ZMQ connections; set both to the same address (NET_IFNAME's)" >&2
+      exit 2
+    fi
+  fi
+  zmq_allowed="$(IFS=,; echo "${zmq_peers[*]}")"
+  export SGLANG_ZMQ_ALLOWED_PEERS="$zmq_allowed" SGLANG_ZMQ_SOURCE_IP="$SGLANG_HOST_IP"
+  echo "sglang-farskip: SGLang's ZMQ sockets admit $zmq_allowed" >&2
   export GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME SGLANG_HOST_IP
   if [[ "$MASTER_ADDR" == *:* && "$MASTER_ADDR" != \[* ]]; then
     dist_init_addr="[$MASTER_ADDR]:$MASTER_PORT"  # SGLang wants IPv6 in brackets

@@ -531,23 +531,39 @@ def test_k8s_builtin_kinds_validate(version):
     proc = run([tool("kubernetes-validate"), "--strict", "-k", version] + [str(f) for f in K8S_FILES])
     assert proc.returncode == 0 and "ERROR" not in proc.stdout, proc.stdout + proc.stderr
     kinds = {d["kind"] for _, d in k8s_docs()}
-    assert {"ConfigMap", "Service", "LeaderWorkerSet", "NetworkPolicy"} <= kinds
+    assert {"ConfigMap", "Service", "LeaderWorkerSet", "NetworkPolicy", "DaemonSet"} <= kinds
 
 
-def test_network_policy_admits_the_configured_ports_from_the_group_only():
+def test_network_policy_admits_everything_from_the_group_and_only_http_from_clients():
+    # The allowlist of deploy/firewall.nft (tests/test_firewall.py loads that one for real).
     (policy,) = [d for _, d in k8s_docs() if d["kind"] == "NetworkPolicy"]
     (configmap,) = [d for _, d in k8s_docs() if d["kind"] == "ConfigMap"]
-    master, http = int(configmap["data"]["MASTER_PORT"]), int(configmap["data"]["HTTP_PORT"])
+    http = int(configmap["data"]["HTTP_PORT"])
     group = {"leaderworkerset.sigs.k8s.io/name": lws_docs()[0][1]["metadata"]["name"]}
     assert policy["spec"]["podSelector"]["matchLabels"] == group
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
     peers, clients = policy["spec"]["ingress"]
-    assert peers["from"] == [{"podSelector": {"matchLabels": group}}]
-    assert {"protocol": "TCP", "port": master, "endPort": master + 7} in peers["ports"]
+    assert peers == {"from": [{"podSelector": {"matchLabels": group}}]}  # every port
     assert "from" not in clients and clients["ports"] == [{"protocol": "TCP", "port": http}]
-    # The same ranges as deploy/firewall.nft, which docs/deploy.md offers for every host.
-    nft = (DEPLOY / "firewall.nft").read_text()
-    for rule in peers["ports"][1:]:
-        assert f"{rule['port']}-{rule['endPort']}" in nft
+
+
+def host_firewall() -> dict:
+    (daemonset,) = [d for _, d in k8s_docs() if d["kind"] == "DaemonSet"]
+    return daemonset
+
+
+def test_host_firewall_sets_every_define_of_the_ruleset():
+    """The DaemonSet's env replaces the `define NAME = ` lines of deploy/firewall.nft: the same
+    names, so an edit of the ruleset's defines shows up here."""
+    spec = host_firewall()["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    defines = re.findall(r"^define (\w+) = ", (DEPLOY / "firewall.nft").read_text(), re.M)
+    assert [e["name"] for e in container["env"]] == defines
+    assert all(name in container["command"][2] for name in defines)
+    (configmap, http) = ([d for _, d in k8s_docs() if d["kind"] == "ConfigMap"][0],
+                         {e["name"]: e["value"] for e in container["env"]}["HTTP_PORT"])
+    assert http == configmap["data"]["HTTP_PORT"]
+    assert spec["hostNetwork"] is True  # the node's own network namespace
 
 
 def test_k8s_validator_rejects_a_broken_service(tmp_path):
@@ -629,6 +645,7 @@ def k8s_command_scripts() -> list[str]:
                 scripts.append(c["command"][2])
                 scripts += [c[probe]["exec"]["command"][2] for probe in ("startupProbe", "livenessProbe")
                             if "exec" in c.get(probe, {})]
+    scripts += [c["command"][2] for c in host_firewall()["spec"]["template"]["spec"]["containers"]]
     return scripts
 
 
@@ -675,7 +692,7 @@ def good_env(model: Path, **overrides) -> dict[str, str]:
     """A valid two-node setting on this machine: both "nodes" on loopback."""
     env = {
         "PATH": os.environ["PATH"], "FARSKIP_PYTHON": sys.executable,
-        "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "NET_IFNAME": "lo",
+        "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "WORKER_ADDRS": "127.0.0.1", "NET_IFNAME": "lo",
         "MODEL_PATH": str(model), "FARSKIP_PLATFORM": "rocm", "API_KEY": TEST_API_KEY,
         # The entrypoint asks FARSKIP_PYTHON's sglang_farskip (its modes): this checkout's.
         "PYTHONPATH": os.environ.get("PYTHONPATH"),
@@ -830,6 +847,20 @@ def test_entrypoint_serves_without_a_key_on_loopback_or_by_choice(model, overrid
     assert flag(argv, "--host") == overrides.get("HTTP_HOST", "0.0.0.0")
 
 
+def test_entrypoint_sets_the_zmq_peer_allowlist(model):
+    """SGLang's ZMQ peer allowlist: loopback, this node, node 0 and the other nodes, as IP
+    addresses (SGLang parses each with `ipaddress`), and this node's connections pinned to its
+    own address. tests/test_firewall.py starts servers with it."""
+    proc = check(good_env(model, NODE_RANK="0", WORKER_ADDRS="localhost"))
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "ZMQ sockets admit" in x]
+    admitted = line.rsplit(" ", 1)[1].split(",")
+    assert admitted[:2] == ["127.0.0.1", "::1"] and len(admitted) == len(set(admitted))
+    import ipaddress
+    for address in admitted:
+        ipaddress.ip_address(address)  # "localhost" was resolved
+
+
 def test_entrypoint_ipv6_master_is_bracketed(model):
     argv = command_of(check(good_env(model, MASTER_ADDR="::1")))
     assert flag(argv, "--dist-init-addr") == "[::1]:50000"
@@ -882,6 +913,12 @@ ERROR_CASES = {
     "MASTER_ADDR malformed": ({"MASTER_ADDR": "node 0!"}, "MASTER_ADDR"),
     "MASTER_ADDR does not resolve": ({"MASTER_ADDR": "node0.invalid"}, "MASTER_ADDR"),
     "MASTER_PORT out of range": ({"MASTER_PORT": "70000"}, "MASTER_PORT"),
+    "missing WORKER_ADDRS": ({"WORKER_ADDRS": None}, "WORKER_ADDRS"),
+    "WORKER_ADDRS too many for NNODES": ({"WORKER_ADDRS": "127.0.0.1,127.0.0.2"}, "WORKER_ADDRS"),
+    "WORKER_ADDRS malformed": ({"WORKER_ADDRS": "node 1!"}, "WORKER_ADDRS"),
+    "WORKER_ADDRS does not resolve": ({"WORKER_ADDRS": "node1.invalid"}, "WORKER_ADDRS"),
+    # Node 0 would refuse node 1's ZMQ connections: its allowlist is WORKER_ADDRS.
+    "WORKER_ADDRS is not this node 1": ({"WORKER_ADDRS": "192.0.2.7"}, "SGLANG_HOST_IP"),
     "HTTP_PORT = MASTER_PORT": ({"HTTP_PORT": "50000"}, "MASTER_PORT"),
     "TP_SIZE not a number": ({"TP_SIZE": "sixteen"}, "TP_SIZE"),
     "EP_SIZE zero": ({"EP_SIZE": "0"}, "EP_SIZE"),

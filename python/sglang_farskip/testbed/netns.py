@@ -126,8 +126,8 @@ def listening_ports(rank: int) -> set[int]:
     return ports
 
 
-def in_ns(rank: int, cmd: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", NS[rank], *cmd]
+def in_ns(rank: int, cmd: list[str], names: Names = TESTS) -> list[str]:
+    return ["ip", "netns", "exec", names.ns[rank], *cmd]
 
 
 @dataclass
@@ -140,13 +140,14 @@ class Node:
     env: dict
     log_path: Path
     args: list[str] = field(default_factory=list)
+    names: Names = TESTS  # whose namespace NS[rank] is
     proc: subprocess.Popen | None = None
     started: float = 0.0
     ended: float | None = None
 
     def start(self) -> "Node":
         inner = "mount -t tmpfs tmpfs /dev/shm && exec " + shlex.join([str(ENTRYPOINT), *self.args])
-        cmd = in_ns(self.rank, ["unshare", "-m", "sh", "-c", inner])
+        cmd = in_ns(self.rank, ["unshare", "-m", "sh", "-c", inner], self.names)
         self._log = open(self.log_path, "w")
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -201,14 +202,16 @@ class Node:
             self._log.close()
 
 
-def node_env(rank: int, *, master_addr: str = ADDR[0], master_port: int, http_port: int,
-             dist_timeout: int, model_path: str, extra: dict | None = None) -> dict:
+def node_env(rank: int, *, master_addr: str | None = None, master_port: int, http_port: int,
+             dist_timeout: int, model_path: str, extra: dict | None = None,
+             names: Names = TESTS) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "MASTER_", "NCCL_", "GLOO_"))}
     env.update({
-        "NODE_RANK": str(rank), "NNODES": "2", "MASTER_ADDR": master_addr,
+        "NODE_RANK": str(rank), "NNODES": "2", "MASTER_ADDR": master_addr or names.addr[0],
+        "WORKER_ADDRS": names.addr[1],
         "MASTER_PORT": str(master_port), "HTTP_PORT": str(http_port),
         "MODEL_PATH": model_path, "TP_SIZE": "2", "EP_SIZE": "2",
-        "NET_IFNAME": VETH[rank],  # SGLANG_HOST_IP and GLOO_SOCKET_IFNAME derived from it
+        "NET_IFNAME": names.veth[rank],  # SGLANG_HOST_IP and GLOO_SOCKET_IFNAME derived from it
         "DIST_TIMEOUT": str(dist_timeout), "FARSKIP_PLATFORM": "cpu", "FARSKIP_PYTHON": PY,
         "EXTRA_ARGS": "--dtype float32",
         "OMP_NUM_THREADS": "1",  # one core per rank
