@@ -69,6 +69,8 @@ HOSTILE = {
     "chat stream top_logprobs huge": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
                                                                "stream": True, "logprobs": True, "top_logprobs": 1000000},
                                       "top_logprobs=1000000"),
+    "detokenize ids beyond the vocabulary": ("/v1/detokenize", {"model": MODEL, "tokens": [1, 1000000000]},
+                                             "token id 1000000000"),
     # Refused by SGLang itself.
     "temperature negative": ("/generate", {"text": "hi", "sampling_params": {**SMALL, "temperature": -1}}, "temperature"),
     "top_p zero": ("/generate", {"text": "hi", "sampling_params": {**SMALL, "top_p": 0}}, "top_p"),

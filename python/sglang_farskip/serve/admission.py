@@ -18,7 +18,8 @@ the launcher), at three points:
    an in-stream error on streaming ones;
 2. the OpenAI completion and chat converters (AFTER): the same check with the OpenAI field
    names, before a stream starts, so a streaming request also gets a 400 (OpenAI error shape);
-3. `/generate`'s `serve_generate_request` (AROUND): likewise for SGLang's native route.
+3. `/generate`'s `serve_generate_request` (AROUND): likewise for SGLang's native route;
+4. `/v1/detokenize`'s converter (AFTER): ids outside the vocabulary (a 500 otherwise).
 """
 
 from __future__ import annotations
@@ -158,6 +159,18 @@ def _openai_check(names: dict):
     return after_convert
 
 
+def _detokenize_check(result, self, request, *args, **kwargs):
+    """AFTER OpenAIServingDetokenize._convert_to_internal_request: ids the tokenizer cannot
+    decode (a 500 from SGLang otherwise) are the client's error."""
+    tokens = request.tokens if isinstance(request.tokens, list) else []
+    vocab_size = self.tokenizer_manager.model_config.vocab_size
+    for ids in (tokens if tokens and isinstance(tokens[0], list) else [tokens]):
+        bad = [t for t in ids if isinstance(t, int) and not 0 <= t < vocab_size]
+        if bad:
+            raise Refused(f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return None
+
+
 async def _around_serve_generate(original, obj, request, *args, **kwargs):
     from sglang.srt.entrypoints import http_server
 
@@ -175,6 +188,8 @@ _HOOKS = [
     ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request",
      _openai_check(CHAT_NAMES), "AFTER"),
     ("sglang.srt.entrypoints.http_server.serve_generate_request", _around_serve_generate, "AROUND"),
+    ("sglang.srt.entrypoints.openai.serving_tokenize.OpenAIServingDetokenize._convert_to_internal_request",
+     _detokenize_check, "AFTER"),
 ]
 
 
