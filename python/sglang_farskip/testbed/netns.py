@@ -219,6 +219,9 @@ def node_env(rank: int, *, master_addr: str = ADDR[0], master_port: int, http_po
         "EXTRA_ARGS": "--dtype float32",
         "OMP_NUM_THREADS": "1",  # one core per rank
         "FARSKIP_ALLOW_NO_API_KEY": "1",  # the API listens only inside the test's namespace
+        # The tests watch each node's entrypoint exit; the watchdog's restarts in place are
+        # tested where asked for (extra={"WATCHDOG_RESTARTS": ...}).
+        "WATCHDOG_RESTARTS": "0",
     })
     env.update(extra or {})
     return env
