@@ -24,6 +24,7 @@ FARSKIP_ENV_VARS=(
   NET_IFNAME GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP
   DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING GPU_MAX_HW_QUEUES
   WATCHDOG WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES WATCHDOG_START_TIMEOUT
+  WATCHDOG_RESTARTS WATCHDOG_BACKOFF
   EXTRA_ARGS FARSKIP_PLATFORM FARSKIP_PYTHON FARSKIP_DRY_RUN
 )
 
@@ -436,8 +437,35 @@ if [[ -n "${EXTRA_ARGS:-}" ]]; then
 fi
 cmd+=("$@")
 
-# The watchdog asks node 0's API: node 0 on its own address (loopback when it listens on all),
-# the other nodes at MASTER_ADDR. Its port must be HTTP_PORT on every node.
+# ---------------------------------------------------------------- watchdog (self-healing)
+# The watchdog (python/sglang_farskip/serve/watchdog.py, whose docstring states the bound) asks
+# node 0's API: node 0 on its own address (loopback when it listens on all), the other nodes at
+# MASTER_ADDR, on HTTP_PORT. It arms at node 0's /health (the deployment is up) and restarts
+# the server in place: WATCHDOG_RESTARTS failed starts in a row, each after a back-off from
+# WATCHDOG_BACKOFF seconds doubling, then exit 71; a refused setting (exit 2) never restarts.
+: "${WATCHDOG_RESTARTS:=5}"
+: "${WATCHDOG_BACKOFF:=10}"
+for var in WATCHDOG_RESTARTS WATCHDOG_BACKOFF; do
+  if ! is_uint "${!var}"; then
+    echo "error: $var=${!var} is not a whole number: set it to e.g. 5 (0: no restarts here)" >&2
+    exit 2
+  fi
+done
+# Node 1's watchdog must reach node 0's HTTP port at MASTER_ADDR; a loopback HTTP_HOST hides it
+# from any other machine, so node 1 would never see the deployment up and a hang there would
+# never be ended (issue 34). (Both nodes on one machine, MASTER_ADDR on loopback too, works.)
+case "${MASTER_ADDR:-}" in
+  127.* | ::1 | "[::1]" | localhost) master_loopback=1 ;;
+  *) master_loopback=0 ;;
+esac
+if ((multinode)) && [[ "$WATCHDOG" == 1 && "$loopback" == 1 && "$master_loopback" == 0 ]]; then
+  echo "error: HTTP_HOST=$HTTP_HOST with NNODES=$NNODES and MASTER_ADDR=$MASTER_ADDR: node 1's watchdog asks node 0's /health_generate at MASTER_ADDR:HTTP_PORT, which a loopback address hides; set HTTP_HOST=0.0.0.0 (or node 0's cluster address) and keep clients out with a firewall (deploy/firewall.nft), the same on both nodes" >&2
+  exit 2
+fi
+# /health reports SGLang's server status (200 once the warm-up has generated through every
+# rank) without generating itself: the watchdog's sign that the deployment is up. SGLang's
+# default makes /health generate like /health_generate, which a hang fails.
+export SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0
 if ((10#$NODE_RANK == 0)); then
   case "$HTTP_HOST" in
     0.0.0.0) health_host=127.0.0.1 ;;
@@ -453,8 +481,10 @@ fi
 health_url="http://$health_host:$HTTP_PORT/health_generate"
 if [[ "$WATCHDOG" == 1 ]]; then
   cmd=("$FARSKIP_PYTHON" -m sglang_farskip.serve.watchdog --url "$health_url"
+    --up-url "http://$health_host:$HTTP_PORT/health"
     --interval "$WATCHDOG_INTERVAL" --timeout "$WATCHDOG_TIMEOUT" --failures "$WATCHDOG_FAILURES"
-    --start-timeout "$WATCHDOG_START_TIMEOUT" -- "${cmd[@]}")
+    --start-timeout "$WATCHDOG_START_TIMEOUT" --restarts "$WATCHDOG_RESTARTS"
+    --backoff "$WATCHDOG_BACKOFF" -- "${cmd[@]}")
 fi
 
 {

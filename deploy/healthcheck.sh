@@ -4,7 +4,10 @@
 #   healthcheck.sh                 this node is up (the images' HEALTHCHECK, compose's)
 #   healthcheck.sh --deployment    the whole deployment answers (Kubernetes liveness probes)
 #
-# This node: node 0 serves HTTP, healthy when GET /health answers 200. The other nodes serve
+# This node: node 0 serves HTTP, healthy when GET /health_generate answers 200 (not /health: the
+# entrypoint makes /health report SGLang's status without generating, for the watchdog, and
+# that stays 200 while a rank hangs; /health_generate answers within a second while requests
+# run, else it generates one token, and fails a hang after SGLang's 20 s). The other nodes serve
 # nothing over HTTP, so for them the check only says whether node 0's rendezvous port
 # (MASTER_ADDR:MASTER_PORT, held open by node 0 for the whole run) still accepts connections: a
 # node 1 whose node 0 is gone shows as unhealthy before its distributed timeout ends it.
@@ -59,7 +62,7 @@ case "${1:-}" in
 esac
 
 if [[ "$rank" == 0 ]]; then
-  get "http://127.0.0.1:$http_port/health" 10
+  get "http://127.0.0.1:$http_port/health_generate" 10
 fi
 
 host="$(master)"

@@ -189,7 +189,7 @@ def test_compose_gpu_service(platform, rank):
     assert int(svc["shm_size"]) >= 16 * 2**30
     assert svc["ulimits"]["memlock"] == -1
     assert svc["healthcheck"]["test"] == ["CMD", "/opt/sglang-farskip/deploy/healthcheck.sh"]
-    assert svc["restart"] == "on-failure"  # self-healing: docs/deploy.md
+    assert svc["restart"] == "no"  # the watchdog restarts inside: docs/deploy.md, Self-healing
     if platform == "rocm":
         assert {d["source"] for d in svc["devices"]} == {"/dev/kfd", "/dev/dri"}
         assert "video" in svc["group_add"]
@@ -762,10 +762,12 @@ def test_entrypoint_runs_the_server_under_the_watchdog(model, rank, overrides, u
     argv = full_command_of(check(good_env(model, NODE_RANK=rank, **overrides)))
     watchdog, server = watchdog_and_server(argv)
     assert argv[0] == sys.executable
-    keys = ("--url", "--interval", "--timeout", "--failures", "--start-timeout")
+    keys = ("--url", "--up-url", "--interval", "--timeout", "--failures", "--start-timeout",
+            "--restarts", "--backoff")
     assert {k: flag(watchdog, k) for k in keys} == {
-        "--url": url, "--interval": "10", "--timeout": "30", "--failures": "3",
-        "--start-timeout": "3600"}
+        "--url": url, "--up-url": url.replace("/health_generate", "/health"), "--interval": "10",
+        "--timeout": "30", "--failures": "3", "--start-timeout": "3600", "--restarts": "5",
+        "--backoff": "10"}
     assert server[:3] == [sys.executable, "-m", "sglang_farskip.launch_server"]
     # WATCHDOG=0: the server command alone, unchanged.
     bare = full_command_of(check(good_env(model, NODE_RANK=rank, WATCHDOG="0", **overrides)))
@@ -945,6 +947,10 @@ ERROR_CASES = {
     "WATCHDOG not 0/1": ({"WATCHDOG": "on"}, "WATCHDOG"),
     "WATCHDOG_FAILURES zero": ({"WATCHDOG_FAILURES": "0"}, "WATCHDOG_FAILURES"),
     "WATCHDOG_INTERVAL not a number": ({"WATCHDOG_INTERVAL": "10s"}, "WATCHDOG_INTERVAL"),
+    "WATCHDOG_RESTARTS not a number": ({"WATCHDOG_RESTARTS": "many"}, "WATCHDOG_RESTARTS"),
+    # Node 1's watchdog could never reach node 0's API (issue 34: a hang never ended).
+    "HTTP_HOST loopback, node 0 elsewhere": ({"HTTP_HOST": "127.0.0.1", "MASTER_ADDR": "10.0.0.1"},
+                                             "HTTP_HOST=127.0.0.1 with NNODES=2"),
 }
 
 

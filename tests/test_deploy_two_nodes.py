@@ -29,11 +29,13 @@ single-node reference start (after their start-up they only wait).
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from sglang_farskip.testbed import netns
@@ -92,7 +94,8 @@ class Deployment:
     _next = 0
 
     def __init__(self, name: str, log_dir: Path, model: str, dist_timeout: int,
-                 node1_env: dict | None = None, start_node1: bool = True):
+                 node1_env: dict | None = None, start_node1: bool = True,
+                 env: dict | None = None):
         Deployment._next += 1
         self.http_port = 30000 + Deployment._next
         # Below Linux's ephemeral range (32768-60999): a MASTER_PORT inside it can be held, now
@@ -101,7 +104,7 @@ class Deployment:
         self.master_port = master_port = 31000 + 100 * Deployment._next
         self.rendezvous_at: float | None = None  # when node 0 began to listen on MASTER_PORT
         common = dict(master_port=master_port, http_port=self.http_port, dist_timeout=dist_timeout,
-                      model_path=model)
+                      model_path=model, extra=env)
         self.nodes = [Node(0, node_env(0, **common), log_dir / f"{name}-node0.log")]
         if start_node1:
             env1 = node_env(1, **common)
@@ -370,3 +373,63 @@ def test_missing_model_path_on_node1(startup_failures):
     summary = check_node0_timed_out(dep)
     print(f"\nmissing model path on node 1: node 1 rc=2 after {node1.ended - node1.started:.1f} s "
           f"({line[:120]}); {summary}")
+
+
+# ------------------------------------------------------------------ a hang the moment node 0 first serves
+# The watchdog's settings here, tight so that the case is quick; restarts in place (no compose).
+HEAL_WATCHDOG = {"WATCHDOG_INTERVAL": "2", "WATCHDOG_TIMEOUT": "25", "WATCHDOG_FAILURES": "2",
+                 "WATCHDOG_RESTARTS": "2", "WATCHDOG_BACKOFF": "1"}
+# serve/watchdog.py's bound for ending the servers: (FAILURES + 1) x (INTERVAL + TIMEOUT).
+HANG_BOUND_S = (2 + 1) * (2 + 25)
+
+
+def node_up(port: int) -> bool:
+    """Node 0's /health answers 200: the warm-up generated through every rank, it serves."""
+    probe = netns.in_ns(0, ["curl", "-sf", "--max-time", "2", f"http://127.0.0.1:{port}/health"])
+    return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+
+
+def schedulers(node: Node) -> list[psutil.Process]:
+    return [p for p in psutil.Process(node.proc.pid).children(recursive=True)
+            if "sglang::scheduler" in " ".join(p.cmdline()) or p.name().startswith("sglang::sched")]
+
+
+@pytest.mark.parametrize("hung", [1, 0], ids=["node1-hangs", "node0-hangs"])
+def test_hang_the_moment_node0_first_serves_heals(link, model, log_dir, hung):
+    """Issue 34: every scheduler of one node stopped (SIGSTOP, as a rank stuck in a GPU call)
+    the moment node 0's /health first answers 200, before any watchdog saw /health_generate
+    succeed. Both nodes' watchdogs end their servers within HANG_BOUND_S, restart them, and the
+    pair serves again."""
+    dep = Deployment(f"hang{hung}", log_dir, model, SERVE_TIMEOUT, env=HEAL_WATCHDOG)
+    try:
+        start = time.monotonic()
+        while not node_up(dep.http_port):
+            assert time.monotonic() - start < READY_TIMEOUT_S, "not up\n" + dep.logs()
+            assert all(n.poll() is None for n in dep.nodes), dep.logs()
+            time.sleep(0.2)
+        victims = schedulers(dep.nodes[hung])
+        assert victims, dep.logs()
+        for proc in victims:
+            proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        marks = [n.mark() for n in dep.nodes]
+        ended = {}
+        while len(ended) < 2 and time.monotonic() - stopped < HANG_BOUND_S + 30:
+            for node, mark in zip(dep.nodes, marks):
+                if node.rank not in ended and re.search(
+                        r"killing the server|the server exited", node.log(mark)):
+                    ended[node.rank] = time.monotonic() - stopped
+            time.sleep(0.5)
+        assert set(ended) == {0, 1}, f"ended: {ended}\n{dep.logs()}"
+        assert max(ended.values()) <= HANG_BOUND_S, f"ended: {ended}\n{dep.logs()}"
+        assert re.search(r"the deployment stopped answering", dep.nodes[hung].log(marks[hung]))
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in victims)
+        dep.wait_ready()  # serving again: /health_generate through both restarted nodes
+        healed = time.monotonic() - stopped
+        for node in dep.nodes:
+            assert node.poll() is None, dep.logs()  # restarted in place, not given up
+    finally:
+        dep.kill()
+    print(f"\nnode {hung} hung as node 0 first served: servers ended after "
+          f"{ended[0]:.0f} s (node 0), {ended[1]:.0f} s (node 1) (bound {HANG_BOUND_S} s); "
+          f"serving again {healed:.0f} s after the hang")

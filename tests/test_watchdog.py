@@ -1,6 +1,10 @@
 """The entrypoint's watchdog (python/sglang_farskip/serve/watchdog.py) on its own: SIGTERM reaches the
-server and the watchdog exits with the server's status; failed checks before the first success
-end nothing (a server that is still starting); the server dies with the watchdog.
+server and the watchdog exits with the server's status; failed checks before the deployment is
+up end nothing (a server that is still starting); the server dies with the watchdog; a
+deployment that is up (node 0's /health answers) but never answered /health_generate, as when
+a rank hangs the moment node 0 first serves, is ended within the module's bound; a crash loop
+backs off and gives up with one line and EXIT_GAVE_UP; a refused setting (exit 2) is never
+restarted. The "servers" are real processes: Python HTTP servers and shell commands.
 
 Its real job, ending a hung server so that both nodes restart, runs end to end in
 tests/test_docker.py (node 1's schedulers stopped with SIGSTOP, the deployment serving again,
@@ -20,15 +24,16 @@ import psutil
 from parity import ONE_THREAD
 from sglang_farskip.testbed.servers import REPO, free_port
 
-from sglang_farskip.serve.watchdog import EXIT_UNHEALTHY
+from sglang_farskip.serve.watchdog import EXIT_GAVE_UP, EXIT_UNHEALTHY
 
 INTERVAL_S, TIMEOUT_S, FAILURES = 1, 2, 2
 
 
-def watchdog(cmd: list[str], url: str, log) -> subprocess.Popen:
+def watchdog(cmd: list[str], url: str, log, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "sglang_farskip.serve.watchdog", "--url", url, "--interval",
-         str(INTERVAL_S), "--timeout", str(TIMEOUT_S), "--failures", str(FAILURES), "--", *cmd],
+         str(INTERVAL_S), "--timeout", str(TIMEOUT_S), "--failures", str(FAILURES), *flags,
+         "--", *cmd],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
         env={**os.environ, **ONE_THREAD})
 
@@ -104,3 +109,104 @@ def test_a_start_that_never_answers_is_ended(tmp_path):
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     assert proc.wait(timeout=30) == EXIT_UNHEALTHY, log_path.read_text()
     assert "has not answered within 3 s of the start" in log_path.read_text()
+
+
+# A node 0 that is up but whose deployment never generates: /health (no generation, the
+# entrypoint's SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0) answers 200, /health_generate 503, as
+# SGLang answers once a rank of either node hangs right after the warm-up.
+UP_BUT_HUNG = """
+import http.server, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 503)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_deployment_hung_from_its_first_moment_is_ended_within_the_bound(tmp_path):
+    """No check of /health_generate ever succeeds, so a watchdog that armed only at its own
+    first success (the old rule) would wait for --start-timeout: node 1's case in issue 34."""
+    port = free_port()
+    log_path = tmp_path / "watchdog.log"
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = watchdog([sys.executable, "-c", UP_BUT_HUNG, str(port)], base + "/health_generate",
+                        log, "--up-url", base + "/health", "--start-timeout", "3600")
+    started = time.monotonic()
+    try:
+        # The module's bound, (FAILURES + 1) x (INTERVAL + TIMEOUT), plus the interpreter's start.
+        bound = (FAILURES + 1) * (INTERVAL_S + TIMEOUT_S) + 10
+        assert proc.wait(timeout=bound) == EXIT_UNHEALTHY, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = log_path.read_text()
+    assert "the deployment is up; armed" in log and "the deployment stopped answering" in log, log
+    print(f"\nhung from the first moment: ended after {time.monotonic() - started:.1f} s")
+
+
+def starts(path) -> list[float]:
+    return [float(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def test_a_crash_loop_backs_off_and_gives_up_with_one_line(tmp_path):
+    record = tmp_path / "starts"
+    log_path = tmp_path / "watchdog.log"
+    crash = ["sh", "-c", f"date +%s.%N >> {record}; exit 1"]
+    with open(log_path, "w") as log:
+        proc = watchdog(crash, f"http://127.0.0.1:{free_port()}/health_generate", log,
+                        "--restarts", "3", "--backoff", "0.5")
+    try:
+        assert proc.wait(timeout=60) == EXIT_GAVE_UP, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    times = starts(record)
+    assert len(times) == 4, times  # the first start and 3 restarts
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    # 0.5, 1, 2 s: each gap at least its back-off, and each longer than the one before.
+    assert all(gap >= 0.5 * 2 ** i for i, gap in enumerate(gaps)), gaps
+    assert gaps == sorted(gaps), gaps
+    errors = [line for line in log_path.read_text().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "giving up after 3 restarts" in errors[0], log_path.read_text()
+
+
+def test_a_refused_setting_is_never_restarted(tmp_path):
+    record = tmp_path / "starts"
+    log_path = tmp_path / "watchdog.log"
+    refused = ["sh", "-c", f"date +%s.%N >> {record}; echo 'error: bad setting' >&2; exit 2"]
+    with open(log_path, "w") as log:
+        proc = watchdog(refused, f"http://127.0.0.1:{free_port()}/health_generate", log,
+                        "--restarts", "3", "--backoff", "0.5")
+    try:
+        assert proc.wait(timeout=30) == 2, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(starts(record)) == 1
+    assert "not restarting" in log_path.read_text()
+
+
+def test_a_start_that_came_up_resets_the_count(tmp_path):
+    """A server that comes up (node 0's /health answers) and then crashes is restarted each
+    time, whatever --restarts says: only starts that never come up count towards giving up."""
+    record = tmp_path / "starts"
+    port = free_port()
+    log_path = tmp_path / "watchdog.log"
+    base = f"http://127.0.0.1:{port}"
+    # Up for 2.5 s (two checks), then a crash.
+    up_then_crash = ["sh", "-c", f"date +%s.%N >> {record}; timeout 2.5 {sys.executable} -c "
+                                 f"'{UP_BUT_HUNG}' {port}; exit 1"]
+    with open(log_path, "w") as log:
+        proc = watchdog(up_then_crash, base + "/health_generate", log, "--up-url",
+                        base + "/health", "--restarts", "1", "--backoff", "0.2")
+    try:
+        wait_for(lambda: len(starts(record)) >= 4, 60, "fourth start", log_path)
+        assert proc.poll() is None, log_path.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert "giving up" not in log_path.read_text()

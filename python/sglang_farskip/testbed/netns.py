@@ -37,9 +37,15 @@ class Names:
 # The tests' pair, and the benchmarks' (bench/overlap_bench.py, bench/plan_testbed.py): apart, so
 # a benchmark run beside the suite never removes the suite's namespaces.
 TESTS = Names(("fstest0", "fstest1"), ("fst-veth0", "fst-veth1"), ("10.251.0.1", "10.251.0.2"))
+# FARSKIP_TEST_NETNS="PREFIX SUBNET" (e.g. "fswd 10.248.0") gives one checkout's suite its own
+# pair, so that two suites run side by side never remove each other's namespaces.
+if os.environ.get("FARSKIP_TEST_NETNS"):
+    _prefix, _subnet = os.environ["FARSKIP_TEST_NETNS"].split()
+    TESTS = Names((f"{_prefix}0", f"{_prefix}1"), (f"{_prefix}-veth0", f"{_prefix}-veth1"),
+                  (f"{_subnet}.1", f"{_subnet}.2"))
 BENCH = Names(("fsbench0", "fsbench1"), ("fsb-veth0", "fsb-veth1"), ("10.250.0.1", "10.250.0.2"))
 NS, VETH, ADDR = TESTS.ns, TESTS.veth, TESTS.addr  # what Node, in_ns and node_env use
-UNUSED_ADDR = "10.251.0.9"  # in the veth's subnet, assigned to nobody: a wrong MASTER_ADDR
+UNUSED_ADDR = ADDR[0].rsplit(".", 1)[0] + ".9"  # in the veth's subnet, assigned to nobody
 
 
 def available() -> str | None:
@@ -216,6 +222,9 @@ def node_env(rank: int, *, master_addr: str | None = None, master_port: int, htt
         "EXTRA_ARGS": "--dtype float32",
         "OMP_NUM_THREADS": "1",  # one core per rank
         "FARSKIP_ALLOW_NO_API_KEY": "1",  # the API listens only inside the test's namespace
+        # The tests watch each node's entrypoint exit; the watchdog's restarts in place are
+        # tested where asked for (extra={"WATCHDOG_RESTARTS": ...}).
+        "WATCHDOG_RESTARTS": "0",
     })
     env.update(extra or {})
     return env
