@@ -349,7 +349,7 @@ def two_nodes(request, images, demo, one_host_network):
                "NODE_MEMLOCK": str(resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]),
                "NODE_NOFILE": str(resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
                # The entrypoint's variables only (deploy/cpu-node<rank>.env holds the rest).
-               "MASTER_ADDR": addrs[0], "API_KEY": API_KEY, "DIST_TIMEOUT": DIST_TIMEOUT,
+               "MASTER_ADDR": addrs[0], "WORKER_ADDRS": addrs[1], "API_KEY": API_KEY, "DIST_TIMEOUT": DIST_TIMEOUT,
                "EXTRA_ARGS": FLOAT32, **WATCHDOG}
         nodes.append(Project(f"node{rank}", env, env_files=(DEPLOY / f"cpu-node{rank}.env",),
                              files=(ONE_HOST,)))
@@ -498,7 +498,7 @@ def test_gpu_image_builds_on_a_stand_in_base(request, images, platform):
     seconds = build(platform, image, "--build-arg", f"SGLANG_{platform.upper()}_IMAGE={standin}")
     report(request, f"docker/build.sh {platform} on its stand-in: {seconds:.0f} s")
     # The image's own entrypoint validates a two-node setting and prints the command.
-    proc = sh(["docker", "run", "--rm", "-e", "NODE_RANK=0", "-e", "MASTER_ADDR=127.0.0.1",
+    proc = sh(["docker", "run", "--rm", "-e", "NODE_RANK=0", "-e", "MASTER_ADDR=127.0.0.1", "-e", "WORKER_ADDRS=127.0.0.1",
                "-e", "NET_IFNAME=lo", "-e", "MODEL_PATH=demo", "-e", f"API_KEY={API_KEY}",
                image, "--check"])
     assert "-m sglang_farskip.launch_server" in proc.stdout

@@ -34,11 +34,12 @@ ADMIN_KEY = "adm-farskip-testbed-3b8e61c0"
 
 
 def admin_post(base_url: str, path: str, payload: dict | None = None, key: str = ADMIN_KEY,
-               timeout: float = 60) -> dict:
+               timeout: float = 60) -> str:
+    """The answer's body (some admin routes answer plain text, e.g. /flush_cache)."""
     req = urllib.request.Request(base_url + path, data=json.dumps(payload or {}).encode(), method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"{}")
+        return r.read().decode(errors="replace")
 
 
 class Server:
@@ -108,7 +109,7 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
-    def admin(self, path: str, payload: dict | None = None) -> dict:
+    def admin(self, path: str, payload: dict | None = None) -> str:
         """POST to an admin route with the testbed's admin key."""
         return admin_post(self.url, path, payload)
 
