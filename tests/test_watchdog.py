@@ -152,42 +152,39 @@ def starts(path) -> list[float]:
     return [float(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def test_a_crash_loop_backs_off_and_gives_up_with_one_line(tmp_path):
-    record = tmp_path / "starts"
-    log_path = tmp_path / "watchdog.log"
-    crash = ["sh", "-c", f"date +%s.%N >> {record}; exit 1"]
+def run_to_exit(tmp_path, exit_line: str, timeout: float) -> tuple[int, str, list[float]]:
+    """A server command that records each start and ends with `exit_line`, under the
+    watchdog (3 restarts, 0.5 s back-off) with nothing answering: (its exit status, its log,
+    the start times)."""
+    record, log_path = tmp_path / "starts", tmp_path / "watchdog.log"
     with open(log_path, "w") as log:
-        proc = watchdog(crash, f"http://127.0.0.1:{free_port()}/health_generate", log,
+        proc = watchdog(["sh", "-c", f"date +%s.%N >> {record}; {exit_line}"],
+                        f"http://127.0.0.1:{free_port()}/health_generate", log,
                         "--restarts", "3", "--backoff", "0.5")
     try:
-        assert proc.wait(timeout=60) == EXIT_GAVE_UP, log_path.read_text()
+        status = proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
-    times = starts(record)
+    return status, log_path.read_text(), starts(record)
+
+
+def test_a_crash_loop_backs_off_and_gives_up_with_one_line(tmp_path):
+    status, log, times = run_to_exit(tmp_path, "exit 1", timeout=60)
+    assert status == EXIT_GAVE_UP, log
     assert len(times) == 4, times  # the first start and 3 restarts
     gaps = [b - a for a, b in zip(times, times[1:])]
     # 0.5, 1, 2 s: each gap at least its back-off, and each longer than the one before.
     assert all(gap >= 0.5 * 2 ** i for i, gap in enumerate(gaps)), gaps
     assert gaps == sorted(gaps), gaps
-    errors = [line for line in log_path.read_text().splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "giving up after 3 restarts" in errors[0], log_path.read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "giving up after 3 restarts" in errors[0], log
 
 
 def test_a_refused_setting_is_never_restarted(tmp_path):
-    record = tmp_path / "starts"
-    log_path = tmp_path / "watchdog.log"
-    refused = ["sh", "-c", f"date +%s.%N >> {record}; echo 'error: bad setting' >&2; exit 2"]
-    with open(log_path, "w") as log:
-        proc = watchdog(refused, f"http://127.0.0.1:{free_port()}/health_generate", log,
-                        "--restarts", "3", "--backoff", "0.5")
-    try:
-        assert proc.wait(timeout=30) == 2, log_path.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert len(starts(record)) == 1
-    assert "not restarting" in log_path.read_text()
+    status, log, times = run_to_exit(tmp_path, "echo 'error: bad setting' >&2; exit 2", timeout=30)
+    assert status == 2, log
+    assert len(times) == 1 and "not restarting" in log, log
 
 
 def test_a_start_that_came_up_resets_the_count(tmp_path):
