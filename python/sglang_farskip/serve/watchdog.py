@@ -198,7 +198,7 @@ def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
                   file=sys.stderr, flush=True)
             return EXIT_GAVE_UP
         delay = min(BACKOFF_CAP_S, backoff_s * 2 ** max(0, failed_starts - 1))
-        logger.warning("watchdog: the server ended (status %d); starting it again in %.0f s "
+        logger.warning("watchdog: the server ended (status %d); starting it again in %g s "
                        "(failed start %d of %d allowed in a row)", status, delay,
                        failed_starts, restarts)
         deadline = time.monotonic() + delay
