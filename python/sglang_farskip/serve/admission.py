@@ -24,7 +24,7 @@ the launcher), at three points:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from sglang_farskip.errors import UserError
 
@@ -93,14 +93,12 @@ def problems(obj: Any, *, vocab_size: int, context_len: int, limits: Any,
                          "position from 0")
             break
 
-    samples = 0
     for p in params:
         n = p.get("n", 1) if isinstance(p, dict) else 1
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= limits.max_n:
             found.append(f"n={n}: give 1 to {limits.max_n} samples per prompt (this server's maximum, "
                          "--farskip-max-n)")
             return found  # the totals below would only repeat it
-        samples = max(samples, n)
 
     budget = request_token_budget(limits, context_len)
     total = 0
@@ -193,10 +191,6 @@ _HOOKS = [
 ]
 
 
-def hook_targets() -> Iterable[str]:
-    return [target for target, _, _ in _HOOKS]
-
-
 def install(limits: Any) -> None:
     """Launcher only, in the process that serves HTTP, before the server starts; `limits`:
     the launcher's RuntimeOptions (max_logprobs, max_n, max_request_tokens)."""
@@ -207,7 +201,7 @@ def install(limits: Any) -> None:
     for target, hook, kind in _HOOKS:
         HookRegistry.register(target, hook, HookType[kind])
     HookRegistry.apply_hooks()  # the plugins' hooks are applied already; this applies these
-    missing = [t for t in hook_targets() if t not in HookRegistry._patched]
+    missing = [target for target, _, _ in _HOOKS if target not in HookRegistry._patched]
     if missing:
         raise UserError(f"could not hook SGLang's request path at {missing} (see 'Failed to apply hooks' "
                         "above): this sglang_farskip supports sglang 0.5.23 only")
