@@ -98,3 +98,42 @@ def full_and_range(root: Path) -> dict[str, Path]:
     assert convert.main([str(full), str(root / "range"), "--start-layer", "2", "--end-layer", "3",
                          "--force"]) == 0
     return {"full": full, "range": root / "range"}
+
+
+# ------------------------------------------------------------------ bf16 servers (FP8 checkpoints)
+def teacher_forced_errors(results: Served, reference, prompts: list[list[int]] = PROMPTS) -> list[tuple[float, float]]:
+    """For every served step, against the reference run on the *served* tokens (so one bf16 near
+    tie cannot derail the rest of a sequence): (|served - reference| logprob of the served token,
+    how far the served token's reference logprob is below the reference's best)."""
+    out = []
+    for prompt, (tokens, chosen, _top) in zip(prompts, results):
+        with torch.no_grad():
+            logits = reference(torch.tensor(prompt + tokens[:-1]))
+        ref = torch.log_softmax(logits[len(prompt) - 1:].float(), -1)  # [steps, V]
+        for step, (token, lp) in enumerate(zip(tokens, chosen)):
+            out.append((abs(lp - float(ref[step, token])), float(ref[step].max() - ref[step, token])))
+    return out
+
+
+def dequantized_copy(src: Path, dst: Path, tp_size: int) -> Path:
+    """`src` (block FP8) dequantized into a float32 checkpoint at `dst`, kv_b_proj as SGLang's CPU
+    loader keeps it at `tp_size` (fp8.as_cpu_loader_stores_kv_b): the weights the CPU FP8 path
+    computes with at that TP size. Main model only (no MTP layer)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from sglang_farskip.reference import load_reference
+
+    dst.mkdir(parents=True)
+    state = load_reference(str(src), cpu_kv_b_tp=tp_size).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"))
+    for entry in src.iterdir():
+        if entry.suffix != ".safetensors" and entry.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(entry, dst / entry.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config")
+    cfg["num_nextn_predict_layers"] = 0
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst

@@ -14,6 +14,7 @@ The FarSkip keys themselves (`farskip`, `farskip_start_idx`, ...) are read by `c
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -144,6 +145,27 @@ def _span(layers: list[int]) -> str:
     return ", ".join(map(str, layers)) if len(layers) <= 6 else f"{layers[0]}..{layers[-1]} ({len(layers)} layers)"
 
 
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def per_expert(name: str, tensor):
+    """Yield (name, tensor) under DeepSeek's per-expert names: transformers 5 holds (and
+    `state_dict()` gives) a layer's experts fused, gate_up_proj [E, 2I, H] (gate rows first) and
+    down_proj [E, H, I]; the release, SGLang's main-model loader and reference.py use
+    mlp.experts.N.{gate,up,down}_proj.weight. Any other tensor passes through."""
+    fused = _FUSED_EXPERTS.match(name)
+    if not fused:
+        yield name, tensor
+        return
+    for e in range(tensor.shape[0]):
+        if fused.group(2) == "down_proj":
+            yield f"{fused.group(1)}.{e}.down_proj.weight", tensor[e]
+        else:
+            gate, up = tensor[e].chunk(2, dim=0)  # [2I, H] -> 2 x [I, H]
+            yield f"{fused.group(1)}.{e}.gate_proj.weight", gate
+            yield f"{fused.group(1)}.{e}.up_proj.weight", up
+
+
 def weight_map(path: str | Path) -> dict[str, str] | None:
     """{tensor name: shard file name} from the checkpoint's safetensors index; None without one."""
     index = Path(path) / INDEX
@@ -178,3 +200,14 @@ def checkpoint_gate_shapes(path: str | Path) -> dict[int, tuple[int, ...]]:
                 if m:
                     shapes[int(m.group(1))] = tuple(f.get_slice(name).get_shape())
     return shapes
+
+
+def make_readable(path: Path) -> None:
+    """Give a checkpoint directory built in a mkdtemp the permissions of any other directory:
+    mkdtemp and safetensors create owner-only files, and a checkpoint is meant to be shared
+    (e.g. mounted into a container running as another user). Flat directories only."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+    for child in path.iterdir():
+        child.chmod(0o666 & ~umask)

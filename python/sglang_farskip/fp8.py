@@ -21,10 +21,11 @@ kind, the CPU serving path (cpu/fp8.py) and the planner's memory figures (plan.p
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
+from sglang_farskip.config import config_value
 from sglang_farskip.errors import UserError
 
 BLOCK = 128
@@ -51,17 +52,19 @@ def is_quantized(name: str) -> bool:
     return bool(_QUANTIZED.match(name))
 
 
-def weight_format(cfg: Mapping[str, Any]) -> str:
+def weight_format(cfg: Any) -> str:
     """"fp8" for DeepSeek's block-FP8 layout, "bf16" for an unquantized checkpoint (whatever its
-    stored float type); anything else is a UserError naming what was found."""
-    quant = cfg.get("quantization_config")
+    stored float type); anything else is a UserError naming what was found. `cfg`: config.json
+    as a dict, or a transformers config."""
+    quant = config_value(cfg, "quantization_config")
     if not quant:
         return "bf16"
+    quant = dict(quant)
     method, block = quant.get("quant_method"), quant.get("weight_block_size")
     if method == "fp8" and list(block or []) == [BLOCK, BLOCK] and quant.get("fmt", "e4m3") == "e4m3":
         return "fp8"
     raise UserError(
-        f"quantization_config {dict(quant)!r} is not DeepSeek's block FP8 (quant_method fp8, e4m3, "
+        f"quantization_config {quant!r} is not DeepSeek's block FP8 (quant_method fp8, e4m3, "
         f"weight_block_size [{BLOCK}, {BLOCK}]), the one quantized format sglang_farskip serves and "
         "checks: serve a bf16 copy, or requantize one with `python -m sglang_farskip.quantize`"
     )
@@ -100,11 +103,26 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = to
     return (q.float() * _per_element(scale_inv.float(), q.shape)).to(dtype)
 
 
-def as_cpu_loader_stores_kv_b(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def as_cpu_loader_stores_kv_b(q: torch.Tensor, scale_inv: torch.Tensor, tp_size: int = 1) -> torch.Tensor:
     """kv_b_proj as SGLang's loader keeps it for absorbed MLA on CPU (and wherever the block is not
-    128 x 128 on CUDA): dequantized, requantized to e4m3 with one scale for the whole tensor
-    (`block_quant_to_tensor_quant`), then multiplied back. Float32 [N, K]. On CUDA with 128 x 128
-    blocks the loader dequantizes exactly instead, so CPU and GPU FP8 differ here by design."""
-    w = dequantize(q, scale_inv)
-    scale = FP8_MAX / w.abs().max().clamp(min=1e-12)  # as input_to_float8 computes it
-    return (w * scale).clamp(-FP8_MAX, FP8_MAX).to(DTYPE).float() * scale.reciprocal()
+    128 x 128 on CUDA): each TP rank's rows (a column-parallel shard: its heads) dequantized,
+    requantized to e4m3 with one scale for the shard (`block_quant_to_tensor_quant`), multiplied
+    back; float32 [N, K]. On CUDA with 128 x 128 blocks the loader dequantizes exactly instead, so
+    CPU and GPU FP8 differ here by design."""
+    shards = []
+    for w in dequantize(q, scale_inv).chunk(tp_size, dim=0):
+        scale = FP8_MAX / w.abs().max().clamp(min=1e-12)  # as input_to_float8 computes it
+        shards.append((w * scale).clamp(-FP8_MAX, FP8_MAX).to(DTYPE).float() * scale.reciprocal())
+    return torch.cat(shards)
+
+
+def fused_projection_problem(cfg: Any) -> str | None:
+    """Why SGLang would load this config's FP8 weights wrongly, or None. SGLang's loader
+    concatenates q_a_proj and kv_a_proj_with_mqa with their block scales
+    (deepseek_weight_loader.py ~476): the join must fall on a block edge, or kv rows silently take
+    q_a's scales."""
+    q_lora = config_value(cfg, "q_lora_rank")
+    if q_lora and q_lora % BLOCK:
+        return (f"q_lora_rank {q_lora} is not a multiple of {BLOCK}: SGLang fuses q_a_proj and "
+                f"kv_a_proj_with_mqa, whose {BLOCK}-row scale blocks must then meet at a block edge")
+    return None

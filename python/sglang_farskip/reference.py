@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .checkpoint import shard_files
+from . import fp8
+from .checkpoint import per_expert, shard_files
 from .config import FarSkipConfig, is_moe_layer
 
 
@@ -335,39 +336,33 @@ class ReferenceModel(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------- loading
-_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-def _read_checkpoint(path: str, num_layers: int):
-    """Yield (name, tensor) over every shard, splitting fused 3-D expert tensors into HF's/DeepSeek's
-    per-expert names, and dropping layers past num_hidden_layers (DeepSeek-V3's MTP layer 61)."""
+def _read_checkpoint(path: str, num_layers: int, cpu_kv_b_tp: int = 0):
+    """Yield (name, tensor) over every shard, under per-expert names (checkpoint.per_expert),
+    dropping layers past num_hidden_layers (DeepSeek-V3's MTP layer 61). Block-FP8 weights come
+    dequantized to float32 (fp8.dequantize); `cpu_kv_b_tp` > 0: kv_b_proj as SGLang's CPU loader
+    keeps it for absorbed MLA at that TP size (fp8.as_cpu_loader_stores_kv_b)."""
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 layer = re.match(r"model\.layers\.(\d+)\.", name)
-                if layer and int(layer.group(1)) >= num_layers:
+                if (layer and int(layer.group(1)) >= num_layers) or name.endswith(fp8.SCALE_SUFFIX):
                     continue
-                if name.endswith("weight_scale_inv"):
-                    raise NotImplementedError(f"{name}: FP8 checkpoint, dequantise to bf16 first")
-                fused = _FUSED_EXPERTS.match(name)
-                if not fused:
-                    yield name, f.get_tensor(name)
-                    continue
-                w = f.get_tensor(name)  # gate_up_proj [E, 2*I, H] (gate rows first); down_proj [E, H, I]
-                for e in range(w.shape[0]):
-                    if fused.group(2) == "down_proj":
-                        yield f"{fused.group(1)}.{e}.down_proj.weight", w[e]
-                    else:
-                        gate, up = w[e].chunk(2, dim=0)  # [2*I, H] -> 2 x [I, H]
-                        yield f"{fused.group(1)}.{e}.gate_proj.weight", gate
-                        yield f"{fused.group(1)}.{e}.up_proj.weight", up
+                t = f.get_tensor(name)
+                if t.dtype == fp8.DTYPE:
+                    scale = f.get_tensor(name + fp8.SCALE_SUFFIX)
+                    kv_b = cpu_kv_b_tp and name.endswith("self_attn.kv_b_proj.weight")
+                    t = fp8.as_cpu_loader_stores_kv_b(t, scale, cpu_kv_b_tp) if kv_b else fp8.dequantize(t, scale)
+                yield from per_expert(name, t)
 
 
 def load_reference(
-    path: str, dtype: torch.dtype = torch.float32, farskip: FarSkipConfig | None = None
+    path: str, dtype: torch.dtype = torch.float32, farskip: FarSkipConfig | None = None,
+    cpu_kv_b_tp: int = 0,
 ) -> ReferenceModel:
-    """Load a DeepSeek-V3 checkpoint directory. FarSkip wiring comes from config.json's farskip keys
-    unless `farskip` overrides it."""
+    """Load a DeepSeek-V3 checkpoint directory, bf16 or block FP8 (dequantized). FarSkip wiring
+    comes from config.json's farskip keys unless `farskip` overrides it. `cpu_kv_b_tp` > 0: an FP8
+    kv_b_proj requantized per TP shard as SGLang's CPU loader does at that TP size (fp8.py), for
+    comparing with a CPU server."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     args = ModelArgs.from_json(cfg)
@@ -375,7 +370,7 @@ def load_reference(
     with torch.device("meta"):
         model = ReferenceModel(args, farskip)
     state = {}
-    for name, t in _read_checkpoint(path, args.num_hidden_layers):
+    for name, t in _read_checkpoint(path, args.num_hidden_layers, cpu_kv_b_tp):
         # transformers keeps the correction bias in fp32 whatever the model dtype
         state[name] = t.to(torch.float32 if name.endswith("e_score_correction_bias") else dtype).contiguous()
     if args.tie_word_embeddings:

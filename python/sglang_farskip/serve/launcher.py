@@ -2,7 +2,7 @@
 
 Every SGLang flag passes through. What this adds to `python -m sglang.launch_server`:
 - no --model-path: build (once, cached) a tiny FarSkip demo checkpoint and serve it
-  (`--demo deepseek-v3`, the default, or `--demo instella`);
+  (`--demo deepseek-v3`, the default, `--demo deepseek-v3-fp8` or `--demo instella`);
 - no GPU, or --device cpu: the CPU environment and defaults SGLang needs, set here;
 - the checkpoint and flags are checked before anything starts: clear errors, exit code 2;
 - the FarSkip runtime options (mode, GPU overlap, ...) are validated once and reach every
@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sglang_farskip import checkpoint
+from sglang_farskip import checkpoint, fp8
 from sglang_farskip.config import FarSkipConfig, FarSkipMode
 from sglang_farskip.errors import ArgumentParser, UserError, fail
 from sglang_farskip.options import CPU_START_METHODS, RuntimeOptions
@@ -34,7 +34,8 @@ logger = logging.getLogger("sglang_farskip.launch")
 ENV_STATUS = "SGLANG_FARSKIP_STATUS_DIR"
 
 
-DEMO_MODEL_NAMES = {"deepseek-v3": "farskip-demo", "instella": "farskip-demo-instella"}
+DEMO_MODEL_NAMES = {"deepseek-v3": "farskip-demo", "deepseek-v3-fp8": "farskip-demo-fp8",
+                    "instella": "farskip-demo-instella"}
 _UNSET = object()
 
 
@@ -307,9 +308,9 @@ def _wait_ready_and_verify(base_url: str, status_dir: str, ranks: int, timeout: 
         return
     first = reports[0]
     logger.info(
-        "running %s on %d rank(s): %s; mode %s (requested %s); all-reduce %s",
+        "running %s on %d rank(s): %s; mode %s (requested %s); all-reduce %s; weights %s",
         first["model_class"], len(reports), first["description"], first["mode"],
-        first["requested_mode"], first["comm_backend"],
+        first["requested_mode"], first["comm_backend"], first["weight_format"],
     )
     print(f"\nServer ready at {base_url}. Try:\n  {curl_hint}\n", flush=True)
 
@@ -358,6 +359,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     model_path = str(path) if demo else given.get("--model-path")
     config = read_checkpoint_config(model_path)
     farskip = check_farskip(config, model_path)
+    weight_format = check_weight_format(config, model_path, given, on_cpu)
     if own.farskip_mode and not farskip.enabled:
         logger.warning("--farskip-mode %s has no effect: %s is not a FarSkip checkpoint",
                        own.farskip_mode, model_path)
@@ -442,6 +444,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         "served_model_name": resolved.served_model_name,
         "device": "cpu" if on_cpu else resolved.device,
         "farskip": farskip.to_hf_keys(),
+        "weight_format": weight_format,
         "requested_mode": opts.mode.value if farskip.enabled else "off",
         "options": json.loads(opts.to_json()),
         "tp_size": resolved.tp_size,
@@ -452,6 +455,28 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         "ready_timeout_s": own.farskip_ready_timeout,
     }
     return server_args, launch_info
+
+
+def check_weight_format(config: dict, model_path: str, given: "GivenArgs", on_cpu: bool) -> str:
+    """"bf16" or "fp8" (DeepSeek's block FP8, sglang_farskip.fp8); refuses what would load wrongly
+    or fail deep inside SGLang."""
+    fmt = fp8.weight_format(config)
+    dtype = given.get("--dtype") or "auto"
+    if fmt == "fp8":
+        problem = fp8.fused_projection_problem(config)
+        if problem:
+            raise UserError(f"{model_path}: {problem}; requantize a bf16 copy with a q_lora_rank "
+                            f"that is a multiple of {fp8.BLOCK}, or serve it in bf16")
+        cpu_ok = ("auto", "bfloat16")  # SGLang's CPU MLA path is bf16 (forward_mla.py ~563)
+        if dtype in ("float32", "float") or (on_cpu and dtype not in cpu_ok):
+            raise UserError(f"--dtype {dtype} with a block-FP8 checkpoint: FP8 weights compute in "
+                            f"bfloat16{' on CPU' if on_cpu else ' or float16'}: pass --dtype bfloat16")
+    quantization = given.get("--quantization")
+    if on_cpu and quantization and not (quantization == "fp8" and fmt == "fp8"):
+        raise UserError(f"--quantization {quantization} on CPU: SGLang quantizes on CPU only with AMX "
+                        "kernels this install does not have; requantize the checkpoint with "
+                        "`python -m sglang_farskip.quantize` and serve that without --quantization")
+    return fmt
 
 
 def _check_mla_layout(server_args, config: dict) -> None:

@@ -49,9 +49,11 @@ def model_report(model, farskip, num_layers: int, requested, mode, comm_backend:
     """What one rank's model really built: the class, the wiring, the mode that runs."""
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_farskip import SGLANG_VERSION
+    from sglang_farskip import SGLANG_VERSION, fp8
 
     active = mode.value != "off"
+    # Which linear method SGLang built (torch-native FP8 on a CPU without AMX, cpu/fp8.py).
+    method = type(model.model.layers[0].self_attn.o_proj.quant_method)
     parallel = get_parallel()
     return {
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
@@ -63,6 +65,8 @@ def model_report(model, farskip, num_layers: int, requested, mode, comm_backend:
         "num_layers": num_layers,
         "description": farskip.describe(num_layers) if active else "stock DeepSeek-V3 wiring",
         "comm_backend": comm_backend,
+        "weight_format": fp8.weight_format(model.config),
+        "linear_method": f"{method.__module__}.{method.__qualname__}",
         "tp_rank": parallel.tp_rank,
         "tp_size": parallel.tp_size,
         "moe_ep_size": parallel.moe_ep_size,

@@ -9,6 +9,7 @@ paragraphs. The same seed gives byte-identical files.
     from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
     path = ensure_demo_checkpoint()          # ~/.cache/sglang-farskip/tiny-dsv3-farskip-s0-<hash>
     path = ensure_demo_checkpoint(kind="instella")   # .../tiny-instella-farskip-s0-<hash>
+    path = ensure_demo_checkpoint(kind="deepseek-v3-fp8")   # block FP8, requantized from bf16
 
     python -m sglang_farskip.tools.demo_model [--kind instella] [--cache-dir DIR] [--seed N]   # prints the path
 
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from sglang_farskip import checkpoint
 from sglang_farskip.config import FarSkipConfig
 from sglang_farskip.errors import ArgumentParser
 
@@ -155,7 +157,23 @@ V3_BENCH = dict(
     num_key_value_heads=8,
     num_nextn_predict_layers=0,
 )
-KINDS = ("deepseek-v3", "instella", "v3-bench")
+# The demo in DeepSeek's block-FP8 layout (sglang_farskip.fp8), built as bf16 and requantized by
+# sglang_farskip.quantize. Widths change so that every block-quantized weight SGLang splits keeps
+# whole 128-wide blocks per rank up to TP=2 (upstream's validate_block_quant_shapes): q_lora_rank
+# 128 (q_a_proj and kv_a_proj_with_mqa are fused along a block edge), 8 heads of 32+32 (q_b_proj
+# 512 rows), value heads 32 (o_proj 256 columns), expert and dense widths 256 and 512.
+FP8_TINY = dict(
+    q_lora_rank=128,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    moe_intermediate_size=256,
+    intermediate_size=512,
+)
+KINDS = ("deepseek-v3", "deepseek-v3-fp8", "instella", "v3-bench")
+FP8_KINDS = ("deepseek-v3-fp8",)
 
 _REMOTE_CONFIG = '''"""Config class for the tiny Instella-MoE demo checkpoint (sglang-farskip). Like the
 released checkpoint's own class it is transformers' DeepSeek-V3 config plus the FarSkip and
@@ -348,7 +366,8 @@ def demo_config(overrides: dict | None = None, farskip: FarSkipConfig | None = N
 def kind_overrides(kind: str) -> dict:
     if kind not in KINDS:
         raise ValueError(f"unknown demo model {kind!r}: choose one of {', '.join(KINDS)}")
-    return {"instella": dict(INSTELLA_TINY), "v3-bench": dict(V3_BENCH)}.get(kind, {})
+    return {"instella": dict(INSTELLA_TINY), "v3-bench": dict(V3_BENCH),
+            "deepseek-v3-fp8": dict(FP8_TINY)}.get(kind, {})
 
 
 @contextlib.contextmanager
@@ -469,7 +488,7 @@ def build_checkpoint(
             "transformers_version": _transformers_version(),
         }
         _write_json(tmp / BUILD_INFO, info)  # written last: its presence marks a whole build
-        _make_readable(tmp)
+        checkpoint.make_readable(tmp)
         if dst.exists():
             dst.rmdir()  # empty (checked above); rename cannot replace a directory otherwise
         os.rename(tmp, dst)
@@ -530,16 +549,6 @@ def predictable_mtp(src: Path | str, dst: Path | str) -> Path:
     return dst
 
 
-def _make_readable(path: Path) -> None:
-    # mkdtemp (and safetensors) create owner-only files; a cache is meant to be shared like any
-    # other directory, e.g. mounted into a container running as another user.
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o777 & ~umask)
-    for child in path.iterdir():
-        child.chmod(0o666 & ~umask)
-
-
 def _transformers_version() -> str:
     import transformers
 
@@ -561,7 +570,8 @@ def demo_checkpoint_name(seed: int = 0, kind: str = "deepseek-v3") -> str:
     and the config, so a changed builder builds afresh instead of reusing stale files."""
     cfg = demo_config(kind_overrides(kind), FarSkipConfig(enabled=True))
     key = json.dumps({"builder": BUILDER_VERSION, "seed": seed, "config": cfg}, sort_keys=True)
-    stem = {"instella": "tiny-instella", "v3-bench": "bench-dsv3"}.get(kind, "tiny-dsv3")
+    stem = {"instella": "tiny-instella", "v3-bench": "bench-dsv3", "deepseek-v3-fp8": "tiny-dsv3-fp8"}.get(
+        kind, "tiny-dsv3")
     return f"{stem}-farskip-s{seed}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
@@ -597,7 +607,17 @@ def ensure_demo_checkpoint(cache_dir: Path | str | None = None, seed: int = 0, k
             shutil.rmtree(stale, ignore_errors=True)
         if dst.exists():
             shutil.rmtree(dst)
-        return build_checkpoint(dst, seed=seed, overrides=kind_overrides(kind))
+        if kind not in FP8_KINDS:
+            return build_checkpoint(dst, seed=seed, overrides=kind_overrides(kind))
+        from sglang_farskip.quantize import quantize_checkpoint
+
+        bf16 = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-bf16-", dir=root))
+        try:
+            build_checkpoint(bf16 / "bf16", seed=seed, overrides=kind_overrides(kind))
+            quantize_checkpoint(bf16 / "bf16", dst)  # renamed into place whole, BUILD_INFO.json included
+        finally:
+            shutil.rmtree(bf16, ignore_errors=True)
+        return dst
 
 
 def main(argv: list[str] | None = None) -> int:
