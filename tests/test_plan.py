@@ -1,5 +1,6 @@
 """sglang_farskip.plan (python -m sglang_farskip.plan): the schedule it replays, the cluster tables it reads, the bounds it must obey,
-and the figures of shared/notes/perf-model.md it must reproduce. Pure Python, no torch."""
+and the figures of shared/notes/perf-model.md it must reproduce; its memory figures (memory.py) against
+DeepSeek's published sizes. Pure Python but for torch, which fp8.py (the FP8 tensor rule) imports."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_farskip import plan
+from sglang_farskip import fp8, memory, plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -312,7 +313,7 @@ def test_sync_f_calibration_hits_the_measured_share():
 
 
 def test_testbed_ops_file_feeds_the_planner(tmp_path):
-    """bench/plan_testbed.py (torch, in a subprocess: this file stays torch-free) times the
+    """bench/plan_testbed.py (torch and the reference model, in a subprocess) times the
     bench model's ops and writes an --ops file that plan.py reads for that model: every op of
     both phases measured, nothing extrapolated at the sizes it timed."""
     import subprocess
@@ -339,3 +340,108 @@ def test_testbed_ops_file_feeds_the_planner(tmp_path):
         n = 2 * V3_BENCH["num_hidden_layers"] - 1
         assert f"{n - 2} of {n} collectives" in out.stdout
         assert "extrapolated" not in out.stdout + out.stderr
+
+
+# ================================================================== memory
+# What the counts are compared with: DeepSeek's README_WEIGHTS.md and model card (671B in the main
+# model, MTP 11.5B unique parameters + the 0.9B embedding and 0.9B head it copies, 685B in the
+# repository) and the size of the FP8 repository deepseek-ai/DeepSeek-V3 (~688 GB of safetensors,
+# FP8 experts and attention with their float32 block scales, the rest bf16).
+def test_deepseek_v3_parameters_match_deepseeks_published_counts():
+    w = memory.weights(DSV3, "bf16")
+    embed = 129280 * 7168
+    assert w.params == pytest.approx(671e9, rel=0.01)
+    assert w.mtp_params - 2 * embed == pytest.approx(11.5e9, rel=0.02)  # "11.5B unique", rounded
+    assert w.params + w.mtp_params == pytest.approx(685e9, rel=0.01)
+    assert w.nbytes == 2 * (w.params + w.mtp_params)  # bf16: 2 bytes an element, 1.37 TB
+    assert 1.34e12 <= w.nbytes <= 1.37e12
+
+
+def test_deepseek_v3_fp8_bytes_are_the_released_checkpoints():
+    w = memory.weights(DSV3, "fp8")
+    assert w.nbytes == pytest.approx(688e9, rel=0.01)
+    assert w.nbytes == 688_574_809_152  # pinned: the next test shows a changed tensor rule moves it
+
+
+def test_fp8_bytes_follow_fp8_is_quantized(monkeypatch):
+    """Plant a change in the rule (the router quantized too): the total moves by exactly the
+    router's saving, so the pinned figure above fails; memory.py has no rule of its own."""
+    rule = fp8.is_quantized
+    monkeypatch.setattr(fp8, "is_quantized", lambda name: rule(name) or name.endswith(".mlp.gate.weight"))
+    moved = memory.weights(DSV3, "fp8").nbytes
+    routers = 58 + 1  # the MoE layers and the MTP layer
+    saving = 256 * 7168 * 2 - (256 * 7168 + 2 * 56 * memory.SCALE)  # bf16 -> e4m3 + 2 x 56 block scales
+    assert moved == 688_574_809_152 - routers * saving
+
+
+def test_tensor_names_are_the_checkpoints():
+    names = {n for n, _ in memory.mtp_tensors(DSV3)}
+    assert {"model.layers.61.eh_proj.weight", "model.layers.61.shared_head.head.weight",
+            "model.layers.61.mlp.experts.255.down_proj.weight"} <= names
+    assert not fp8.is_quantized("model.layers.61.eh_proj.weight")  # bf16 in the release
+    assert memory.tensor_bytes("model.layers.61.eh_proj.weight", (7168, 14336), "fp8") == 7168 * 14336 * 2
+    instella = {n for n, _ in memory.main_tensors(plan.load_shape("instella-moe"))}
+    assert "model.layers.0.self_attn.q_proj.weight" in instella  # q_lora_rank null
+    assert "model.layers.0.self_attn.q_a_proj.weight" not in instella
+    assert "model.layers.0.self_attn.gate_proj.weight" in instella  # the attention gate
+
+
+FIT = {("H200", 8, "bf16"): False, ("H100", 16, "bf16"): False, ("MI300X", 8, "bf16"): True,
+       ("H200", 8, "fp8"): True, ("H100", 16, "fp8"): True, ("MI300X", 8, "fp8"): True,
+       ("H100", 8, "bf16"): False, ("H100", 8, "fp8"): False}
+
+
+def test_fit_verdicts_for_issue_35s_layouts():
+    _, fits = plan.fit_table(DSV3)
+    got = {(f.gpu, f.gpus, f.weights.fmt): f.fits for f in fits}
+    assert {k: got[k] for k in FIT} == FIT
+    mi300x = next(f for f in fits if (f.gpu, f.gpus, f.weights.fmt) == ("MI300X", 8, "bf16"))
+    assert 10e9 < mi300x.kv_per_gpu < 20e9  # fits with little room: 14 GB a GPU for KV cache
+
+
+def test_kv_cache_tokens():
+    f = memory.fit(DSV3, "fp8", "H200", plan.BUILTIN_GPUS["H200"].hbm_bytes, 8)
+    assert f.kv_token == 61 * (512 + 64) * 2
+    assert f.tokens == int((0.9 * f.hbm - f.weights.nbytes / 8) // f.kv_token)
+    assert memory.fit(DSV3, "fp8", "H200", f.hbm, 8, dp=8).tokens == 8 * f.tokens  # each DP rank its own
+    short = memory.fit(DSV3, "bf16", "H200", f.hbm, 8)
+    assert short.tokens == 0
+    assert short.verdict() == "does not fit: 1.369 TB of bf16 weights, 8 x H200 hold 1.206 TB (1.085 TB after 10% headroom)"
+
+
+def test_cli_fit_table_and_report_say_the_verdict(tmp_path, capsys):
+    out = tmp_path / "fit.json"
+    assert plan.main(["--fit", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "8 x H200     bf16" in text and "does not fit" in text and "684.5B parameters" in text
+    assert {(r["gpu"], r["gpus"], r["format"]): r["fits"] for r in json.loads(out.read_text())}.items() >= FIT.items()
+    js = tmp_path / "plan.json"
+    assert plan.main(["--tp", "8", "--gpu", "H200", "--decode", "1", "--json", str(js)]) == 0
+    assert "memory, bf16 weights (no quantization_config), 8 x H200: does not fit: 1.369 TB" in capsys.readouterr().out
+    assert json.loads(js.read_text())[0]["memory"]["fits"] is False
+
+
+def _config(tmp_path, **keys):
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(dict(plan.BUILTIN_MODELS["deepseek-v3"], **keys)))
+    return str(f)
+
+
+def test_fp8_quantization_config_makes_fp8_the_default_and_dtype_overrides(tmp_path, capsys):
+    cfg = _config(tmp_path, quantization_config=fp8.QUANTIZATION_CONFIG)
+    assert plan.main(["--model", cfg, "--tp", "8", "--gpu", "H200", "--decode", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "roofline H200 fp8" in text
+    assert "memory, fp8 weights (config.json's quantization_config), 8 x H200: fits" in text
+    assert plan.main(["--model", cfg, "--tp", "8", "--gpu", "H200", "--decode", "1", "--dtype", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "roofline H200 bf16" in text and "memory, bf16 weights (--dtype), 8 x H200: does not fit" in text
+
+
+def test_unknown_quantization_config_is_one_error_line(tmp_path, capsys):
+    cfg = _config(tmp_path, quantization_config={"quant_method": "awq", "bits": 4})
+    assert plan.main(["--model", cfg, "--decode", "1"]) == 2
+    line = _one_error_line(capsys)
+    assert "quantization_config" in line and "awq" in line and "bf16 copy" in line
+    assert plan.main(["--model", cfg, "--fit"]) == 2
+    _one_error_line(capsys)

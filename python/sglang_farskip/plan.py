@@ -4,6 +4,7 @@
     python -m sglang_farskip.plan --model config.json --tp 8 --prefill 2048 --batch 32 --cluster my_allreduce.txt
     python -m sglang_farskip.plan --paper
     python -m sglang_farskip.plan --list
+    python -m sglang_farskip.plan --fit --model config.json
 
 It predicts the step time of three runs of the same model on the same layout: `stock` (the
 DeepSeek-V3 wiring, every all-reduce blocking), `sync` (the FarSkip wiring with blocking
@@ -33,7 +34,9 @@ Notation
              communication time that has a window at all (115 of 119 ARs for DeepSeek-V3)
 
 Per-op times come from the bare GPU check's JSON (--ops) or from a roofline (--gpu, --dtype),
-marked "roofline" wherever printed. docs/planner.md says what is assumed and why.
+marked "roofline" wherever printed. Every report ends with the memory figure of memory.py: the
+weights in --dtype (default the checkpoint's format) on the --tp GPUs of --gpu, and the KV cache
+left; --fit asks the same of a few common layouts. docs/planner.md says what is assumed and why.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from sglang_farskip import fp8, memory
 from sglang_farskip.config import FarSkipConfig, is_moe_layer
 from sglang_farskip.errors import ArgumentParser, UserError, run_main
 
@@ -79,6 +83,9 @@ class Shape:
     moe_layer_freq: int
     farskip: FarSkipConfig
     farskip_assumed: bool  # the config is not FarSkip: planned as if every layer were converted
+    mtp_layers: int  # num_nextn_predict_layers: weights only (memory.py), never in the step
+    tied_embeddings: bool
+    weight_format: str  # "bf16" | "fp8": the checkpoint's (fp8.weight_format), --dtype's default
 
     def is_moe(self, k: int) -> bool:
         return is_moe_layer({"n_routed_experts": self.experts, "first_k_dense_replace": self.first_dense,
@@ -98,6 +105,10 @@ def shape_from_config(cfg: dict, name: str) -> Shape:
         farskip = FarSkipConfig.from_hf_config(cfg)
     except UserError as e:
         raise UserError(f"{name}: {e}") from None
+    try:
+        weight_format = fp8.weight_format(cfg)
+    except UserError as e:
+        raise UserError(f"{name}: {e}") from None
     assumed = not farskip.enabled
     if assumed:  # planning a conversion: the default range converts every layer
         farskip = dataclasses.replace(farskip, enabled=True)
@@ -110,17 +121,21 @@ def shape_from_config(cfg: dict, name: str) -> Shape:
         nope=cfg["qk_nope_head_dim"], v_head=cfg["v_head_dim"], heads=cfg["num_attention_heads"],
         vocab=cfg.get("vocab_size") or 129280, gated_attention=bool(cfg.get("gated_attention")),
         moe_layer_freq=cfg.get("moe_layer_freq") or 1, farskip=farskip, farskip_assumed=assumed,
+        mtp_layers=cfg.get("num_nextn_predict_layers") or 0, tied_embeddings=bool(cfg.get("tie_word_embeddings")),
+        weight_format=weight_format,
     )
 
 
 # The two built-in checkpoints' shapes (DeepSeek-V3's config.json; Instella-MoE-16B-A3B's, as
-# read in shared/notes/instella-moe.md), both with FarSkip on every layer.
+# read in shared/notes/instella-moe.md), both with FarSkip on every layer and without a
+# quantization_config (their weight format is bf16 unless --dtype says otherwise).
+# DeepSeek-V3 ships one MTP layer (num_nextn_predict_layers 1): memory.py counts its weights.
 BUILTIN_MODELS = {
     "deepseek-v3": dict(
         hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256,
         num_experts_per_tok=8, moe_intermediate_size=2048, intermediate_size=18432, n_shared_experts=1,
         q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        num_attention_heads=128, vocab_size=129280, farskip=True),
+        num_attention_heads=128, vocab_size=129280, num_nextn_predict_layers=1, farskip=True),
     "instella-moe": dict(
         hidden_size=2048, num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64,
         num_experts_per_tok=6, moe_intermediate_size=1408, intermediate_size=10944, n_shared_experts=2,
@@ -276,7 +291,7 @@ def load_cluster(spec: str, column: str) -> CommTable:
 # ================================================================== per-op times
 @dataclasses.dataclass(frozen=True)
 class Gpu:
-    """Peaks (TFLOP/s dense, TB/s) and the efficiencies perf-model.md section 4.2 chose."""
+    """Peaks (TFLOP/s dense, TB/s) and the efficiencies perf-model.md section 4.2 chose; memory."""
 
     name: str
     tflops_bf16: float
@@ -284,13 +299,23 @@ class Gpu:
     tbs: float
     vendor: str  # "nv" or "amd": picks the efficiency row
     source: str
+    hbm_gb: int  # the datasheet's figure
+    hbm_bytes: int  # what the driver reports (SGLang sizes its memory from it), where known
+    hbm_source: str
 
 
+# The datasheets' "80 GB", "141 GB", "192 GB" are closer to GiB: the drivers report 6-7% more
+# bytes than the figure x 1e9, so memory uses the reported totals where one was found.
+_MIB = 1 << 20
 BUILTIN_GPUS = {g.name: g for g in [
-    Gpu("H100", 989, 1979, 3.35, "nv", "NVIDIA H100 SXM datasheet"),
-    Gpu("H200", 989, 1979, 4.8, "nv", "datacrunch.io H200 blog (perf-model.md 4.2)"),
-    Gpu("MI300X", 1307, 2615, 5.3, "amd", "docs.vultr.com inference-cookbook (perf-model.md 4.2)"),
-    Gpu("MI325X", 1307, 2615, 6.0, "amd", "docs.vultr.com inference-cookbook (perf-model.md 4.2)"),
+    Gpu("H100", 989, 1979, 3.35, "nv", "NVIDIA H100 SXM datasheet", 80, 81559 * _MIB,
+        "nvidia-smi 81559 MiB (modal-labs/modal-client PR 2797)"),
+    Gpu("H200", 989, 1979, 4.8, "nv", "datacrunch.io H200 blog (perf-model.md 4.2)", 141, 143771 * _MIB,
+        "nvidia-smi 143771 MiB"),
+    Gpu("MI300X", 1307, 2615, 5.3, "amd", "docs.vultr.com inference-cookbook (perf-model.md 4.2)", 192,
+        206141652992, "rocm-smi VRAM Total Memory (ROCm issue 4750)"),
+    Gpu("MI325X", 1307, 2615, 6.0, "amd", "docs.vultr.com inference-cookbook (perf-model.md 4.2)", 256,
+        256 * 10**9, "datasheet 256 GB as 1e9 bytes: no driver report found, likely ~7% low"),
 ]}
 
 # (HBM, GEMM, MoE, attention core as fractions; which peak the FLOP fractions apply to; kernel us).
@@ -1022,8 +1047,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scatter-cluster", help="--dp, stock: reduce_scatter_perf output (default: half the all-reduce time)")
     p.add_argument("--attn-cluster", help="--dp, stock: all_reduce_perf of the attention TP group (default: --cluster)")
     p.add_argument("--ops", help="per-op JSON of the bare GPU check (default: roofline of --gpu/--dtype)")
-    p.add_argument("--gpu", choices=sorted(BUILTIN_GPUS), default="MI300X", help="roofline GPU")
-    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="roofline weight/GEMM precision")
+    p.add_argument("--gpu", choices=sorted(BUILTIN_GPUS), default="MI300X",
+                   help="roofline GPU, and the GPU of the memory figure")
+    p.add_argument("--dtype", choices=memory.FORMATS,
+                   help="weight format: the roofline's GEMM precision and the memory figure (default: the "
+                   "checkpoint's, fp8 for DeepSeek's block-FP8 quantization_config, else bf16)")
     p.add_argument("--contention", type=float, default=0.0,
                    help="fraction of compute throughput lost while a collective is in flight (0.15 = 15%%)")
     p.add_argument("--overhead-us", type=float, default=0.0,
@@ -1034,6 +1062,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="OUT.png", help="step-time bars per mode and the per-layer exposed time")
     p.add_argument("--paper", action="store_true", help="the paper's two headline layouts next to its figures")
     p.add_argument("--list", action="store_true", help="built-in models, clusters and GPUs")
+    p.add_argument("--fit", action="store_true",
+                   help="does --model fit on 8xH200, 2x8xH100, 8xMI300X, ... in bf16 and fp8 (weights, KV cache)")
     return p
 
 
@@ -1041,9 +1071,32 @@ def _listing() -> str:
     out = ["models: " + ", ".join(BUILTIN_MODELS), "clusters (all_reduce us at 14 KB ... 940 MB):"]
     out += [f"  {c.name:<12} {c.ranks} ranks  {', '.join(f'{t:g}' for _, t in c.points)}\n      {c.source}"
             for c in BUILTIN_CLUSTERS.values()]
-    out += ["GPUs (roofline peaks):"] + [f"  {g.name:<7} {g.tflops_bf16:g}/{g.tflops_fp8:g} TFLOP/s bf16/fp8, "
-                                         f"{g.tbs:g} TB/s ({g.source})" for g in BUILTIN_GPUS.values()]
+    out += ["GPUs (roofline peaks; memory):"] + [
+        f"  {g.name:<7} {g.tflops_bf16:g}/{g.tflops_fp8:g} TFLOP/s bf16/fp8, {g.tbs:g} TB/s ({g.source}); "
+        f"{g.hbm_gb} GB datasheet, {memory.size(g.hbm_bytes)} counted ({g.hbm_source})" for g in BUILTIN_GPUS.values()]
     return "\n".join(out)
+
+
+# The layouts of issue 35's question, and one node of H100 and of MI325X beside them.
+FIT_LAYOUTS = (("H200", 8), ("H100", 16), ("MI300X", 8), ("H100", 8), ("MI325X", 8))
+
+
+def fit_table(shape: Shape) -> tuple[str, list[memory.Fit]]:
+    fits = [memory.fit(shape, fmt, gpu, BUILTIN_GPUS[gpu].hbm_bytes, n)
+            for gpu, n in FIT_LAYOUTS for fmt in memory.FORMATS]
+    w = {f.weights.fmt: f.weights for f in fits}
+    out = [f"{shape.name}: {w['bf16'].params_text()}; weights bf16 {memory.size(w['bf16'].nbytes)}, fp8 (DeepSeek's "
+           f"block FP8) {memory.size(w['fp8'].nbytes)}; KV cache {fits[0].kv_token:,} B per token (MLA latent, bf16)",
+           f"  {'GPUs':<12} {'format':<6} {'weights/GPU':>11} {'usable/GPU':>10} {'KV/GPU':>9} {'KV tokens':>10}  verdict"]
+    for f in fits:
+        kv = (memory.size(f.kv_per_gpu), f"{f.tokens:,}") if f.fits else ("-", "-")
+        out.append(f"  {f'{f.gpus} x {f.gpu}':<12} {f.weights.fmt:<6} {memory.size(f.per_gpu):>11} "
+                   f"{memory.size(f.usable):>10} {kv[0]:>9} {kv[1]:>10}  "
+                   f"{'fits' if f.fits else 'does not fit'}")
+    out.append(f"Usable = {1 - memory.HEADROOM:.0%} of each GPU's memory (--list: sizes, sources); weights split "
+               "evenly over the GPUs, MTP included; KV tokens under TP attention (each rank holds every token's "
+               "latent). docs/planner.md, Memory.")
+    return "\n".join(out), fits
 
 
 def _comm_for(args, layout: Layout):
@@ -1065,6 +1118,12 @@ def run(argv: Optional[list] = None) -> int:
     if args.list:
         print(_listing())
         return 0
+    if args.fit:
+        text, fits = fit_table(load_shape(args.model))
+        print(text)
+        if args.json:
+            Path(args.json).write_text(json.dumps([f.as_json() for f in fits], indent=1))
+        return 0
     if args.paper:
         text, records = paper_report()
         print(text)
@@ -1077,7 +1136,9 @@ def run(argv: Optional[list] = None) -> int:
     comm = _comm_for(args, layout)
     extra = {k: load_cluster(v, args.ar_column) if v else None for k, v in
              (("gather", args.gather_cluster), ("scatter", args.scatter_cluster), ("attn_comm", args.attn_cluster))}
-    ops = MeasuredOps(args.ops) if args.ops else Roofline(shape, BUILTIN_GPUS[args.gpu], args.dtype)
+    dtype = args.dtype or shape.weight_format
+    gpu = BUILTIN_GPUS[args.gpu]
+    ops = MeasuredOps(args.ops) if args.ops else Roofline(shape, gpu, dtype)
     if args.decode:
         phases = [Phase("decode", b, args.context, b) for b in _sizes(args.decode, "--decode")]
     else:
@@ -1087,11 +1148,15 @@ def run(argv: Optional[list] = None) -> int:
     if args.sync_f is not None:
         plans = [calibrate_to_sync_f(p, args.sync_f, ops, comm, args.overhead_us, extra) for p in plans]
     print("\n\n".join(format_plan(p) for p in plans))
+    fit = memory.fit(shape, dtype, gpu.name, gpu.hbm_bytes, layout.tp, layout.dp)
+    source = "--dtype" if args.dtype else \
+        "config.json's quantization_config" if shape.weight_format == "fp8" else "no quantization_config"
+    print("\n" + "\n".join(fit.report(source)))
     if getattr(ops, "extrapolated", None):
         print(f"warning: per-op times extrapolated beyond the measured sizes: {', '.join(sorted(ops.extrapolated))}",
               file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps([plan_json(p) for p in plans], indent=1))
+        Path(args.json).write_text(json.dumps([dict(plan_json(p), memory=fit.as_json()) for p in plans], indent=1))
     if args.plot:
         plot_plans(plans, args.plot)
     return 0
