@@ -44,6 +44,7 @@ LONGEST_FIRST = [
     "tests/test_instella.py",  # 180
     "tests/test_load_harness.py",  # 165
     "tests/test_server_parity.py",  # 120
+    "tests/test_fp8.py",  # 100
     "tests/test_cpu_mha.py",  # 110
 ]
 

@@ -68,6 +68,16 @@ BAD_KEYS = {  # (argv, environment, fragments of the error)
     "tokenizer_workers": (["--tokenizer-worker-num", "2"], {"FARSKIP_API_KEY": GOOD_KEY},
                           ["--tokenizer-worker-num", "leave it at 1"]),
 }
+FP8 = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                               "weight_block_size": [128, 128]}, "q_lora_rank": 1536}
+BAD_WEIGHTS = {  # (config changes, flags, fragments of the error)
+    "fp8_in_float32": (FP8, ["--dtype", "float32"], ["--dtype float32 with a block-FP8 checkpoint", "--dtype bfloat16"]),
+    "fp8_in_float16_on_cpu": (FP8, ["--dtype", "float16"], ["--dtype float16", "bfloat16 on CPU"]),
+    "fp8_q_lora_not_aligned": ({**FP8, "q_lora_rank": 96}, [], ["q_lora_rank 96 is not a multiple of 128"]),
+    "other_quantization": ({"quantization_config": {"quant_method": "awq", "bits": 4}}, [],
+                           ["is not DeepSeek's block FP8", "python -m sglang_farskip.quantize"]),
+    "online_quantization_on_cpu": ({}, ["--quantization", "fp8"], ["--quantization fp8 on CPU", "sglang_farskip.quantize"]),
+}
 BAD_LIMITS = {
     "max_n_zero": (["--farskip-max-n", "0"], ["--farskip-max-n 0", "at least 1"]),
     "max_logprobs_negative": (["--farskip-max-logprobs=-1"], ["--farskip-max-logprobs -1"]),
@@ -102,6 +112,8 @@ def refused(tmp_path_factory) -> dict[str, str | None]:
                          "--cuda-graph-backend-prefill", "tc_piecewise"],
         **{name: {"argv": ["--model-path", demo, *argv], "env": env} for name, (argv, env, _) in BAD_KEYS.items()},
         **{name: ["--model-path", demo, *argv] for name, (argv, _) in BAD_LIMITS.items()},
+        **{name: ["--model-path", write_config(root / name, **changes), *flags]
+           for name, (changes, flags, _) in BAD_WEIGHTS.items()},
     }
     proc = subprocess.run([sys.executable, "-c", _TRY_EACH], input=json.dumps(cases),
                           capture_output=True, text=True, timeout=4 * TIME_BOUND_S)  # 14 cases, ~45 s here
@@ -120,6 +132,11 @@ def assert_refused(message: str | None, *fragments: str) -> None:
 def test_bad_keys_are_refused(refused, case):
     assert_refused(refused[case], *BAD_KEYS[case][2])
     assert GOOD_KEY not in refused[case]  # the message never repeats a key
+
+
+@pytest.mark.parametrize("case", list(BAD_WEIGHTS))
+def test_weights_sglang_cannot_compute_here_are_refused(refused, case):
+    assert_refused(refused[case], *BAD_WEIGHTS[case][2])
 
 
 @pytest.mark.parametrize("case", list(BAD_LIMITS))

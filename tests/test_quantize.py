@@ -60,7 +60,9 @@ def test_layout_is_deepseeks(src, dst):
     index = json.loads((dst / checkpoint.INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
-    assert all((dst / s).stat().st_size <= 4 * 10**6 for s in shards)
+    # --max-shard-size bounds the tensor bytes (as transformers' sharding does); the file adds its
+    # JSON header, a few hundred bytes a tensor.
+    assert all((dst / s).stat().st_size <= 4 * 10**6 + 100_000 for s in shards)
     out = tensors(dst)
     assert set(out) == set(index["weight_map"])
     assert index["metadata"]["total_size"] == sum((dst / s).stat().st_size for s in shards)
