@@ -181,9 +181,29 @@ def check_fp8_scaled_mm(fn=amx.fp8_scaled_mm_cpu):
     _close(got, _dot_linear(x, fp8.dequantize(q, scale, BF16)))
 
 
+def check_fp8_experts(fn=amx.fused_experts_cpu):
+    """FP8 experts (per-expert block scales, as Fp8MoEMethod passes them) = the same experts
+    with their weights dequantized (fp8.dequantize), through the bf16 formula above."""
+    from sglang_farskip import fp8
+
+    t, h, i, e = 4, 256, 128, 2
+    w1 = [fp8.quantize(torch.randn(2 * i, h, generator=torch.Generator().manual_seed(10 + x)) * 0.05) for x in range(e)]
+    w2 = [fp8.quantize(torch.randn(h, i, generator=torch.Generator().manual_seed(20 + x)) * 0.05) for x in range(e)]
+    q1, s1 = torch.stack([q for q, _ in w1]), torch.stack([s for _, s in w1])
+    q2, s2 = torch.stack([q for q, _ in w2]), torch.stack([s for _, s in w2])
+    x, ids = _rand(t, h), torch.tensor([[0, 1], [1, 0], [1, 1], [0, 0]], dtype=torch.int32)
+    weights = torch.rand(t, 2, generator=torch.Generator().manual_seed(3))
+    got = fn(x, q1, q2, weights, ids, False, 2, s1, s2, None, None, [128, 128], None, None, None, None, True, "silu")
+    d1 = [fp8.dequantize(q, s, BF16) for q, s in w1]
+    d2 = [fp8.dequantize(q, s, BF16) for q, s in w2]
+    want = torch.stack([sum(weights[r, k].double() * _expert_mlp(x[r], d1[ids[r, k]], d2[ids[r, k]])
+                            for k in range(2)) for r in range(t)])
+    _close(got, want)
+
+
 CHECKS = [check_linear, check_bmm, check_silu_and_mul, check_rmsnorm, check_fused_add_rmsnorm,
           check_biased_grouped_topk, check_fused_experts, check_shared_expert, check_qkv_proj_with_rope,
-          check_fp8_scaled_mm]
+          check_fp8_scaled_mm, check_fp8_experts]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
