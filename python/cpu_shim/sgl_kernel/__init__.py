@@ -5,7 +5,10 @@ without AMX, it never calls them. This package satisfies those imports and nothi
 name is a callable that raises as soon as it is called, so a code path that really needs a
 kernel fails loudly instead of computing garbage. The exception: the ops of SGLang's
 speculative decoding on CPU, which have torch-native twins in `speculative.py` (checked against
-their GPU definitions in tests/test_spec_cpu.py).
+their GPU definitions in tests/test_spec_cpu.py), and, only with FARSKIP_CPU_AMX_TWINS=1, the
+ops of SGLang's AMX CPU path, registered as torch ops by `amx.py` (there: why, and what is
+covered) so FarSkip can be tested on that path without the real kernel build; slow, not for
+serving.
 
 It is only put on sys.path by the CPU install (scripts/bootstrap.sh writes a .pth file that
 appends this directory *after* site-packages), so a real sgl_kernel always wins.
@@ -79,3 +82,12 @@ class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.append(_SubmoduleFinder())
+
+# Opt-in, at import: SGLang decides whether to take its AMX path when its modules are imported,
+# by asking whether torch.ops.sgl_kernel.convert_weight_packed exists right after importing
+# this package (sglang/srt/utils/common.py, _is_intel_amx_backend_available).
+# (`from sgl_kernel import amx` would get a MissingKernel from __getattr__ above.)
+from sgl_kernel.amx import enabled as _amx_enabled, register as _amx_register  # noqa: E402
+
+if _amx_enabled():
+    _amx_register()

@@ -168,6 +168,18 @@ def _shared_experts(moe: DeepseekV2MoE, y: torch.Tensor) -> torch.Tensor:
 
 def _routed_experts(moe: DeepseekV2MoE, y: torch.Tensor) -> torch.Tensor:
     """Routed-expert partial with routed_scaling_factor applied, shared experts excluded."""
+    from sglang.srt.utils import use_intel_amx_backend  # (local: this function's concern only)
+
+    if moe.shared_experts is not None and use_intel_amx_backend(moe.shared_experts.gate_up_proj):
+        # SGLang's AMX CPU path (sgl-kernel's CPU build): upstream's forward_normal returns
+        # forward_cpu()'s tensor there, shared + routed merged by one kernel, and ignores
+        # skip_shared_experts and return_moe_output. So the routed half is computed here, as
+        # forward_cpu does it up to that kernel, with the scale the merge would apply;
+        # _shared_experts' MLP runs on that path as it is.
+        if y.shape[0] == 0:
+            return torch.zeros_like(y)
+        topk_output = moe.topk(y, moe.gate(y))
+        return moe.experts(hidden_states=y, topk_output=topk_output) * moe.routed_scaling_factor
     # forward_normal, not forward: the dual-stream variant ignores skip_shared_experts.
     out = moe.forward_normal(y, skip_shared_experts=True, return_moe_output=True)
     return out._replace(shared=None).get_merged()
