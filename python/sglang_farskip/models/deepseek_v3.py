@@ -41,7 +41,7 @@ from sglang.srt.models.deepseek_v2 import (
     DeepseekV3ForCausalLM,
 )
 from sglang.srt.runtime_context import get_parallel
-from sglang.srt.utils import BumpAllocator
+from sglang.srt.utils import BumpAllocator, use_intel_amx_backend
 
 from sglang_farskip import options, parallel, schedule
 from sglang_farskip.comm import Communicator
@@ -168,8 +168,6 @@ def _shared_experts(moe: DeepseekV2MoE, y: torch.Tensor) -> torch.Tensor:
 
 def _routed_experts(moe: DeepseekV2MoE, y: torch.Tensor) -> torch.Tensor:
     """Routed-expert partial with routed_scaling_factor applied, shared experts excluded."""
-    from sglang.srt.utils import use_intel_amx_backend  # (local: this function's concern only)
-
     if moe.shared_experts is not None and use_intel_amx_backend(moe.shared_experts.gate_up_proj):
         # SGLang's AMX CPU path (sgl-kernel's CPU build): upstream's forward_normal returns
         # forward_cpu()'s tensor there, shared + routed merged by one kernel, and ignores
