@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import socket
@@ -17,7 +18,16 @@ import socket
 # block of PORT_STRIDE ports, so blocks handed out in one run do not overlap until the range
 # wraps (44 blocks, far more than the servers alive at once); pytest-xdist workers take
 # disjoint halves.
+#
+# Two test processes on one host that are not xdist workers of one run (two terminals, or a
+# developer's run beside CI's) would still pick blocks from the same range. Each block handed out
+# is therefore claimed with an flock on a file of its own, held until this process exits (the
+# kernel drops it then, however the process ends); another process skips claimed blocks. Seen
+# without it: a test's launcher asked /health on its new port and got a 200 from another
+# process's server there.
 PORT_RANGE = (10000, 21000)
+_CLAIMS = "/tmp/sglang-farskip-ports"
+_claimed: list[int] = []  # open descriptors of this process's claims
 PORT_STRIDE = 250
 _DERIVED_OFFSETS = (0, *range(1, 8), *range(233, 241))
 _next_block = [None]
@@ -43,6 +53,19 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _claim(port: int) -> bool:
+    """Claim `port`'s block for this process's lifetime; False if another live process holds it."""
+    os.makedirs(_CLAIMS, mode=0o777, exist_ok=True)
+    fd = os.open(f"{_CLAIMS}/{port}", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _claimed.append(fd)
+    return True
+
+
 def free_port() -> int:
     """A free port below the ephemeral range whose SGLang-derived ports are free too."""
     low, high = _port_range()
@@ -52,6 +75,6 @@ def free_port() -> int:
     for _ in range(blocks):
         port = low + _next_block[0] * PORT_STRIDE
         _next_block[0] = (_next_block[0] + 1) % blocks
-        if all(_bindable(port + offset) for offset in _DERIVED_OFFSETS):
+        if all(_bindable(port + offset) for offset in _DERIVED_OFFSETS) and _claim(port):
             return port
     raise RuntimeError(f"no free block of {PORT_STRIDE} ports in {low}-{high} on this host")
