@@ -5,6 +5,7 @@
     python -m sglang_farskip.plan --paper
     python -m sglang_farskip.plan --list
     python -m sglang_farskip.plan --fit --model config.json
+    python -m sglang_farskip.plan --pd                       (prefill/decode disaggregation: plan_pd.py)
 
 It predicts the step time of three runs of the same model on the same layout: `stock` (the
 DeepSeek-V3 wiring, every all-reduce blocking), `sync` (the FarSkip wiring with blocking
@@ -1013,8 +1014,8 @@ def paper_report(contentions=(0.0, 0.15, 0.30)) -> tuple[str, list]:
 
 
 # ================================================================== CLI
-# A plain plan's defaults, applied in run() rather than by argparse: a view with other defaults
-# can then tell a flag left out from one given.
+# A plain plan's defaults, applied in run() rather than by argparse: --pd has its own (plan_pd.py)
+# and must tell a flag left out from one given.
 DEFAULT_TP, DEFAULT_BATCH, DEFAULT_CONTEXT = 16, 1, 2048
 GPUS_PER_NODE = 8
 
@@ -1048,7 +1049,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=1, help="DP-attention ranks (attention TP = tp/dp); docs/dp-attention.md")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default tp/8, at least 1): picks the default cluster")
     p.add_argument("--prefill", help="prompt length(s), comma-separated, e.g. 1024,2048,4096,8192")
-    p.add_argument("--decode", help="decode batch size(s), comma-separated, e.g. 1,16,256,1024 (not with --prefill)")
+    p.add_argument("--decode", help="decode batch size(s), comma-separated, e.g. 1,16,256,1024 (not with --prefill, "
+                   "but under --pd)")
     p.add_argument("--batch", type=int, help=f"prefill: prompts in the forward (tokens = batch x prompt; default "
                    f"{DEFAULT_BATCH})")
     p.add_argument("--context", type=int, help=f"decode: KV length per sequence (default {DEFAULT_CONTEXT})")
@@ -1079,6 +1081,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="built-in models, clusters and GPUs")
     p.add_argument("--fit", action="store_true",
                    help="does --model fit on 8xH200, 2x8xH100, 8xMI300X, ... in bf16 and fp8 (weights, KV cache)")
+    from sglang_farskip import plan_pd  # builds on this module: imported once this one is loaded
+    plan_pd.add_arguments(p)
     return p
 
 
@@ -1137,7 +1141,12 @@ def make_ops(path: Optional[str], shape: Shape, gpu: Gpu, dtype: str):
 
 
 def run(argv: Optional[list] = None) -> int:
+    from sglang_farskip import plan_pd  # builds on this module: imported once this one is loaded
+
     args = build_parser().parse_args(argv)
+    plan_pd.check_flags(args)
+    if args.pd:
+        return plan_pd.run(args)
     if args.list:
         print(_listing())
         return 0
@@ -1155,7 +1164,7 @@ def run(argv: Optional[list] = None) -> int:
         return 0
     shape = load_shape(args.model)
     if args.prefill and args.decode:
-        raise UserError("--prefill and --decode: pick one")
+        raise UserError("--prefill and --decode: pick one (both only with --pd)")
     tp = DEFAULT_TP if args.tp is None else args.tp
     layout = Layout(tp, args.dp, args.nodes or default_nodes(tp))
     check_layout(shape, layout)
