@@ -198,8 +198,9 @@ def format_table(shape: plan.Shape, rows: list[Row], transfer: Transfer) -> list
     pd = rows[-1]
     out += [f"  KV: {transfer.kv_token:,} B per token (MLA latent, bf16) x {transfer.prompt} tokens = "
             f"{transfer.request_bytes / 1e6:.1f} MB per request; the busiest NIC carries {transfer.copies} "
-            f"cop{'y' if transfer.copies == 1 else 'ies'} of the {transfer.batch} requests' KV "
-            f"({transfer.link_bytes / 1e6:.1f} MB) at {transfer.gbps:g} Gbit/s per GPU",
+            f"cop{'y' if transfer.copies == 1 else 'ies'} of the KV of the forward's {transfer.batch} "
+            f"request{'s' if transfer.batch > 1 else ''} ({transfer.link_bytes / 1e6:.1f} MB) at {transfer.gbps:g} "
+            "Gbit/s per GPU",
             f"  PD: TTFT = prefill step + transfer (sent after the forward, not layer by layer); the prefill step "
             f"alone gains {pd.prefill.speedup():.2f}x (as colocated {rows[0].name.split(' ', 1)[1]}), the "
             f"transfer dilutes it to {pd.ttft_speedup():.2f}x; ITL is the decode layout's"]
@@ -252,9 +253,9 @@ def check_flags(args) -> None:
     given = [_flag(d) for d in _NOT_WITH_PD if getattr(args, d) is not None] + (["--dp"] if args.dp != 1 else [])
     given += [_flag(d) for d in ("paper", "fit", "list") if getattr(args, d)]
     if given:
-        raise UserError(f"--pd with {', '.join(given)}: use --prefill-tp/--decode-tp, --prefill-nodes/"
-                        "--decode-nodes, --prefill-cluster/--decode-cluster (DP attention, --link-mbit, --sync-f "
-                        "and --plot are not modelled under --pd)")
+        raise UserError(f"--pd with {', '.join(given)}: not used by a PD prediction (its layouts take "
+                        "--prefill-tp/--decode-tp, --prefill-nodes/--decode-nodes, --prefill-cluster/--decode-cluster; "
+                        "DP attention, --link-mbit, --sync-f and --plot are not modelled under --pd)")
 
 
 def _one(text: Optional[str], flag: str, default: int) -> int:
@@ -283,9 +284,10 @@ def servers(args) -> tuple[Server, Server]:
     for side, case in (("prefill", _PREFILL_CASE), ("decode", _DECODE_CASE)):
         tp, nodes = getattr(args, f"{side}_tp"), getattr(args, f"{side}_nodes")
         tp = case["tp"] if tp is None else tp
+        if tp < 1 or (nodes is not None and nodes < 1):
+            raise UserError(f"--{side}-tp {tp}" + (f", --{side}-nodes {nodes}" if nodes is not None else "")
+                            + ": must be positive")
         nodes = plan.default_nodes(tp) if nodes is None else nodes
-        if tp < 1 or nodes < 1:
-            raise UserError(f"--{side}-tp {tp}, --{side}-nodes {nodes}: must be positive")
         cluster = getattr(args, f"{side}_cluster") or plan.default_cluster(nodes)
         out.append(Server(tp, nodes, getattr(args, f"{side}_gpu") or args.gpu, cluster))
     return out[0], out[1]
