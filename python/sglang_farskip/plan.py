@@ -1135,6 +1135,13 @@ def cluster_for(spec: str, column: str, layout: Layout) -> CommTable:
     return comm
 
 
+def dtype_source(flag: Optional[str], shape: Shape) -> str:
+    """Where the weight format came from, as the memory figure says it."""
+    if flag:
+        return "--dtype"
+    return "config.json's quantization_config" if shape.weight_format == "fp8" else "no quantization_config"
+
+
 def make_ops(path: Optional[str], shape: Shape, gpu: Gpu, dtype: str):
     """Per-op times: the bare GPU check's file when given, else the roofline of the GPU."""
     return MeasuredOps(path) if path else Roofline(shape, gpu, dtype)
@@ -1186,9 +1193,7 @@ def run(argv: Optional[list] = None) -> int:
         plans = [calibrate_to_sync_f(p, args.sync_f, ops, comm, args.overhead_us, extra) for p in plans]
     print("\n\n".join(format_plan(p) for p in plans))
     fit = memory.fit(shape, dtype, gpu.name, gpu.hbm_bytes, layout.tp, layout.dp)
-    source = "--dtype" if args.dtype else \
-        "config.json's quantization_config" if shape.weight_format == "fp8" else "no quantization_config"
-    print("\n" + "\n".join(fit.report(source)))
+    print("\n" + "\n".join(fit.report(dtype_source(args.dtype, shape))))
     if getattr(ops, "extrapolated", None):
         print(f"warning: per-op times extrapolated beyond the measured sizes: {', '.join(sorted(ops.extrapolated))}",
               file=sys.stderr)

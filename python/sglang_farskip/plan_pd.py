@@ -316,10 +316,9 @@ def run(args) -> int:
                               overhead_us=args.overhead_us)
 
     rows = predict(pre, dec, prefill, decode, transfer, step)
-    source = "--dtype" if args.dtype else "the checkpoint's format"
     mem, mem_json = memory_lines(shape, dtype, [("prefill server", pre), ("decode server", dec)], prefill, decode)
-    print("\n".join(format_table(shape, rows, transfer)
-                    + [f"memory, {dtype} weights ({source}), per layout (the colocated rows use the same):"] + mem))
+    head = f"memory, {dtype} weights ({plan.dtype_source(args.dtype, shape)}), per layout (the colocated rows use the same):"
+    print("\n".join(format_table(shape, rows, transfer) + [head] + mem))
     if args.json:
         doc = dict(rows_json(rows, transfer), memory=mem_json,
                    plans=[plan.plan_json(p) for p in {id(p): p for r in rows for p in (r.prefill, r.decode)}.values()])
