@@ -552,3 +552,11 @@ def test_pd_says_whether_each_layout_holds_the_weights(tmp_path, capsys):
 def test_pd_bad_input_is_one_error_line(argv, says, capsys):
     assert plan.main(argv) == 2
     assert says in _one_error_line(capsys)
+
+
+def test_pd_example_in_the_docs_is_the_output(capsys):
+    """docs/planner.md shows `--pd`'s output verbatim: a change to the model must update the page."""
+    text = (REPO / "docs" / "planner.md").read_text()
+    shown = text.split("`python -m sglang_farskip.plan --pd`:\n\n```\n", 1)[1].split("```", 1)[0]
+    assert plan.main(["--pd"]) == 0
+    assert capsys.readouterr().out == shown
