@@ -1,7 +1,7 @@
 """The launcher's flags and the user pages agree: every `--farskip-*` flag the launcher defines
 is documented in README.md or docs/*.md, and every one those pages name exists (the launcher's
 parser: no SGLang import); and the admin routes docs/serving.md lists are the ones that need the
-admin key (this one imports SGLang's HTTP app)."""
+admin key (this one imports SGLang's HTTP app); and every flag of the planner is on its page."""
 
 from __future__ import annotations
 
@@ -58,3 +58,14 @@ def test_the_admin_routes_listed_are_the_routes_that_need_the_admin_key():
     text = (ROOT / "docs" / "serving.md").read_text()
     listing = text.split("The admin routes of SGLang 0.5.23:", 1)[1].split("\n\n", 1)[0]
     assert set(re.findall(r"`(/[a-z0-9_/{}-]+)`", listing)) == set(require_admin_key(app))
+
+
+def test_every_planner_flag_is_documented():
+    """docs/planner.md names every flag `python -m sglang_farskip.plan` takes, --pd's included."""
+    from sglang_farskip.plan import build_parser
+
+    text = (ROOT / "docs" / "planner.md").read_text()
+    flags = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    assert flags, "found no flag in the planner's parser"
+    missing = sorted(f for f in flags if not re.search(re.escape(f) + r"(?![a-z0-9-])", text))
+    assert not missing, f"planner flags docs/planner.md does not name: {missing}"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_farskip import fp8, memory, plan
+from sglang_farskip import fp8, memory, plan, plan_pd
+from sglang_farskip.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -445,3 +446,117 @@ def test_unknown_quantization_config_is_one_error_line(tmp_path, capsys):
     assert "quantization_config" in line and "awq" in line and "bf16 copy" in line
     assert plan.main(["--model", cfg, "--fit"]) == 2
     _one_error_line(capsys)
+
+
+# ================================================================== prefill/decode disaggregation (plan_pd.py)
+KV_TOKEN = 61 * (512 + 64) * 2  # DeepSeek-V3: every layer's MLA latent (kv_lora + rope), bf16
+
+
+def test_kv_bytes_per_token_and_per_request_are_every_layers_latent():
+    assert memory.kv_bytes_per_token(DSV3) == KV_TOKEN == 70_272
+    t = plan_pd.Transfer(memory.kv_bytes_per_token(DSV3), prompt=4096, batch=3, copies=2, gbps=400)
+    assert t.request_bytes == 4096 * 70_272 == 287_834_112
+    assert t.link_bytes == 3 * 2 * 287_834_112  # the forward's requests share the busiest NIC
+
+
+def test_transfer_time_is_the_busiest_links_bits_over_its_rate():
+    assert plan_pd.transfer_us(50e9, 400) == pytest.approx(1e6)  # 50 GB = 400 Gbit: one second at 400 Gbit/s
+    t = plan_pd.Transfer(KV_TOKEN, prompt=2048, batch=32, copies=2, gbps=400)
+    assert t.us == pytest.approx(32 * 2048 * KV_TOKEN * 2 * 8 / 400e9 * 1e6)
+    assert t.us / 1000 == pytest.approx(184.2, abs=0.05)
+
+
+def test_kv_copies_follow_sglangs_mla_rank_mapping():
+    """Every decode rank pulls one full latent copy from one prefill rank: a prefill rank serves
+    decode/prefill of them, or one prefill rank of every prefill/decode sends."""
+    assert [plan_pd.kv_copies(p, d) for p, d in ((8, 16), (8, 8), (16, 8), (8, 32))] == [2, 1, 1, 4]
+    with pytest.raises(UserError, match="one must divide the other"):
+        plan_pd.kv_copies(8, 12)
+
+
+def _pd_json(tmp_path, *flags):
+    out = tmp_path / "pd.json"
+    assert plan.main(["--pd", "--json", str(out), *flags]) == 0
+    return json.loads(out.read_text())
+
+
+def _check_pd_ttft_and_itl(tmp_path):
+    """PD TTFT = the prefill layout's step + the transfer; PD ITL = the decode layout's step; each
+    against a plan made here with make_plan (H200 fp8, the default tables of one and two nodes)."""
+    doc = _pd_json(tmp_path, "--gpu", "H200", "--dtype", "fp8", "--prefill", "4096", "--batch", "1",
+                   "--decode", "64", "--context", "4096", "--kv-link-gbps", "200")
+    colo8, colo16, pd = doc["rows"]
+    x = doc["transfer"]["us"]
+    assert x == pytest.approx(2 * 4096 * KV_TOKEN * 8 / 200e9 * 1e6)  # TP8 -> TP16: two copies per prefill NIC
+    pre = _plan(_prefill(4096), plan.BUILTIN_CLUSTERS["mi300x-xgmi"], tp=8)
+    dec = _plan(_decode(64, 4096), plan.BUILTIN_CLUSTERS["amd-good"], tp=16)
+    for mode in plan_pd.MODES:
+        assert pd["ttft_us"][mode] == pytest.approx(pre.runs[mode].step_us + x)
+        assert pd["ttft_us"][mode] == pytest.approx(colo8["ttft_us"][mode] + x)
+        assert pd["itl_us"][mode] == pytest.approx(dec.runs[mode].step_us) == colo16["itl_us"][mode]
+    assert colo8["transfer_us"] == colo16["transfer_us"] == 0.0
+
+
+def test_pd_ttft_is_prefill_plus_transfer_and_itl_the_decode_layouts(tmp_path):
+    _check_pd_ttft_and_itl(tmp_path)
+
+
+def test_pd_check_fails_on_a_planted_change(tmp_path, monkeypatch):
+    """Plant a PD TTFT without the transfer (as if it hid under the prefill): the check above fails."""
+    monkeypatch.setattr(plan_pd.Row, "ttft_us", lambda self, mode: self.prefill.runs[mode].step_us)
+    with pytest.raises(AssertionError):
+        _check_pd_ttft_and_itl(tmp_path)
+
+
+def test_pd_paper_shaped_default_takes_each_layouts_speedup(tmp_path, capsys):
+    """`--pd` alone: prefill EP8/TP8 on one node with the paper's prefill run, decode EP16/TP16 on
+    two with its decode run, MI300X bf16: the prefill step gains what --paper's one-node row
+    says, ITL what its two-node row says, and the transfer dilutes the TTFT gain."""
+    doc = _pd_json(tmp_path)
+    text = capsys.readouterr().out
+    for name in ("colocated EP8/TP8 1 node", "colocated EP16/TP16 2 nodes", "PD EP8/TP8 1 node -> EP16/TP16 2 nodes"):
+        assert name in text
+    colo8, colo16, pd = doc["rows"]
+    pre = _plan(_prefill(2048, batch=32), plan.BUILTIN_CLUSTERS["mi300x-xgmi"], tp=8, gpu="MI300X", dtype="bf16")
+    dec = _plan(_decode(1024, 258), plan.BUILTIN_CLUSTERS["amd-good"], tp=16, gpu="MI300X", dtype="bf16")
+    assert [round(pre.speedup(), 2), round(dec.speedup(), 2)] == [1.41, 1.58]  # --paper's MI300X bf16 rows
+    assert colo8["ttft_speedup"] == pytest.approx(pre.speedup())
+    assert pd["itl_speedup"] == colo16["itl_speedup"] == pytest.approx(dec.speedup())
+    x = doc["transfer"]["us"]
+    assert x == pytest.approx(32 * 2048 * KV_TOKEN * 2 * 8 / 400e9 * 1e6)
+    assert pd["ttft_speedup"] == pytest.approx((pre.runs["stock"].step_us + x) / (pre.runs["overlap"].step_us + x))
+    assert 1 < pd["ttft_speedup"] < colo8["ttft_speedup"]  # the transfer is the same in both modes
+    assert f"the prefill step alone gains {pre.speedup():.2f}x" in text
+
+
+def test_pd_says_whether_each_layout_holds_the_weights(tmp_path, capsys):
+    doc = _pd_json(tmp_path, "--gpu", "H200")  # bf16: 8 x H200 does not hold it, 16 x H200 does
+    assert {m["role"]: m["fits"] for m in doc["memory"]} == {"prefill server": False, "decode server": True}
+    assert "prefill server (EP8/TP8 1 node): does not fit: 1.369 TB of bf16 weights" in capsys.readouterr().out
+    doc = _pd_json(tmp_path, "--gpu", "H200", "--dtype", "fp8")
+    assert all(m["fits"] for m in doc["memory"])
+    assert {m["layout"] for m in doc["memory"]} == {"EP8/TP8 1 node", "EP16/TP16 2 nodes"}
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--pd", "--tp", "8"], "--pd with --tp"),
+    (["--pd", "--dp", "2"], "--pd with --dp"),
+    (["--prefill-tp", "8"], "--prefill-tp: only with --pd"),
+    (["--pd", "--prefill", "1024,2048"], "one value"),
+    (["--pd", "--decode-tp", "24"], "do not split"),
+    (["--pd", "--kv-link-gbps", "0"], "--kv-link-gbps 0"),
+    (["--pd", "--prefill-tp", "0"], "--prefill-tp 0"),
+    (["--pd", "--decode-gpu", "H200", "--ops", "ops.json"], "one per-op file"),
+    (["--prefill", "1024", "--decode", "8"], "pick one"),
+])
+def test_pd_bad_input_is_one_error_line(argv, says, capsys):
+    assert plan.main(argv) == 2
+    assert says in _one_error_line(capsys)
+
+
+def test_pd_example_in_the_docs_is_the_output(capsys):
+    """docs/planner.md shows `--pd`'s output verbatim: a change to the model must update the page."""
+    text = (REPO / "docs" / "planner.md").read_text()
+    shown = text.split("`python -m sglang_farskip.plan --pd`:\n\n```\n", 1)[1].split("```", 1)[0]
+    assert plan.main(["--pd"]) == 0
+    assert capsys.readouterr().out == shown

@@ -5,6 +5,7 @@
     python -m sglang_farskip.plan --paper
     python -m sglang_farskip.plan --list
     python -m sglang_farskip.plan --fit --model config.json
+    python -m sglang_farskip.plan --pd                       (prefill/decode disaggregation: plan_pd.py)
 
 It predicts the step time of three runs of the same model on the same layout: `stock` (the
 DeepSeek-V3 wiring, every all-reduce blocking), `sync` (the FarSkip wiring with blocking
@@ -1013,6 +1014,21 @@ def paper_report(contentions=(0.0, 0.15, 0.30)) -> tuple[str, list]:
 
 
 # ================================================================== CLI
+# A plain plan's defaults, applied in run() rather than by argparse: --pd has its own (plan_pd.py)
+# and must tell a flag left out from one given.
+DEFAULT_TP, DEFAULT_BATCH, DEFAULT_CONTEXT = 16, 1, 2048
+GPUS_PER_NODE = 8
+
+
+def default_nodes(tp: int) -> int:
+    return max(1, tp // GPUS_PER_NODE)
+
+
+def default_cluster(nodes: int) -> str:
+    """The built-in table of the paper's hardware: xGMI inside one node, the best RCCL table across two."""
+    return "mi300x-xgmi" if nodes == 1 else "amd-good"
+
+
 def _sizes(text: str, flag: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
@@ -1029,14 +1045,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="docs/planner.md: inputs, assumptions, how to measure a cluster, validation.")
     p.add_argument("--model", default="deepseek-v3",
                    help=f"built-in ({', '.join(BUILTIN_MODELS)}) or a config.json / checkpoint folder")
-    p.add_argument("--tp", type=int, default=16, help="TP = EP group size N (8 or 16 for the paper's layouts)")
+    p.add_argument("--tp", type=int, help=f"TP = EP group size N (default {DEFAULT_TP}; 8 or 16 for the paper's layouts)")
     p.add_argument("--dp", type=int, default=1, help="DP-attention ranks (attention TP = tp/dp); docs/dp-attention.md")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default tp/8, at least 1): picks the default cluster")
-    phase = p.add_mutually_exclusive_group()
-    phase.add_argument("--prefill", help="prompt length(s), comma-separated, e.g. 1024,2048,4096,8192")
-    phase.add_argument("--decode", help="decode batch size(s), comma-separated, e.g. 1,16,256,1024")
-    p.add_argument("--batch", type=int, default=1, help="prefill: prompts in the forward (tokens = batch x prompt)")
-    p.add_argument("--context", type=int, default=2048, help="decode: KV length per sequence")
+    p.add_argument("--prefill", help="prompt length(s), comma-separated, e.g. 1024,2048,4096,8192")
+    p.add_argument("--decode", help="decode batch size(s), comma-separated, e.g. 1,16,256,1024 (not with --prefill, "
+                   "but under --pd)")
+    p.add_argument("--batch", type=int, help=f"prefill: prompts in the forward (tokens = batch x prompt; default "
+                   f"{DEFAULT_BATCH})")
+    p.add_argument("--context", type=int, help=f"decode: KV length per sequence (default {DEFAULT_CONTEXT})")
     p.add_argument("--cluster", help="all_reduce_perf output file or a built-in table (--list); "
                    "default mi300x-xgmi on one node, amd-good on two")
     p.add_argument("--ar-column", choices=["in", "out", "min"], default="in",
@@ -1064,6 +1081,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="built-in models, clusters and GPUs")
     p.add_argument("--fit", action="store_true",
                    help="does --model fit on 8xH200, 2x8xH100, 8xMI300X, ... in bf16 and fp8 (weights, KV cache)")
+    from sglang_farskip import plan_pd  # builds on this module: imported once this one is loaded
+    plan_pd.add_arguments(p)
     return p
 
 
@@ -1105,16 +1124,36 @@ def _comm_for(args, layout: Layout):
             raise UserError("--cluster and --link-mbit: pick one")
         return LinkModel(f"link {args.link_mbit:g} Mbit/s", f"ring model, {args.link_latency_us:g} us per collective",
                          layout.tp, args.link_mbit, args.link_latency_us)
-    name = args.cluster or ("mi300x-xgmi" if layout.nodes == 1 else "amd-good")
-    comm = load_cluster(name, args.ar_column)
+    return cluster_for(args.cluster or default_cluster(layout.nodes), args.ar_column, layout)
+
+
+def cluster_for(spec: str, column: str, layout: Layout) -> CommTable:
+    comm = load_cluster(spec, column)
     if comm.ranks and comm.ranks != layout.tp:
         print(f"warning: cluster table {comm.name} was measured on {comm.ranks} ranks, the layout has {layout.tp}",
               file=sys.stderr)
     return comm
 
 
+def dtype_source(flag: Optional[str], shape: Shape) -> str:
+    """Where the weight format came from, as the memory figure says it."""
+    if flag:
+        return "--dtype"
+    return "config.json's quantization_config" if shape.weight_format == "fp8" else "no quantization_config"
+
+
+def make_ops(path: Optional[str], shape: Shape, gpu: Gpu, dtype: str):
+    """Per-op times: the bare GPU check's file when given, else the roofline of the GPU."""
+    return MeasuredOps(path) if path else Roofline(shape, gpu, dtype)
+
+
 def run(argv: Optional[list] = None) -> int:
+    from sglang_farskip import plan_pd  # builds on this module: imported once this one is loaded
+
     args = build_parser().parse_args(argv)
+    plan_pd.check_flags(args)
+    if args.pd:
+        return plan_pd.run(args)
     if args.list:
         print(_listing())
         return 0
@@ -1131,27 +1170,30 @@ def run(argv: Optional[list] = None) -> int:
             Path(args.json).write_text(json.dumps(records, indent=1))
         return 0
     shape = load_shape(args.model)
-    layout = Layout(args.tp, args.dp, args.nodes or max(1, args.tp // 8))
+    if args.prefill and args.decode:
+        raise UserError("--prefill and --decode: pick one (both only with --pd)")
+    tp = DEFAULT_TP if args.tp is None else args.tp
+    layout = Layout(tp, args.dp, args.nodes or default_nodes(tp))
     check_layout(shape, layout)
     comm = _comm_for(args, layout)
     extra = {k: load_cluster(v, args.ar_column) if v else None for k, v in
              (("gather", args.gather_cluster), ("scatter", args.scatter_cluster), ("attn_comm", args.attn_cluster))}
     dtype = args.dtype or shape.weight_format
     gpu = BUILTIN_GPUS[args.gpu]
-    ops = MeasuredOps(args.ops) if args.ops else Roofline(shape, gpu, dtype)
+    ops = make_ops(args.ops, shape, gpu, dtype)
+    context = DEFAULT_CONTEXT if args.context is None else args.context
+    batch = DEFAULT_BATCH if args.batch is None else args.batch
     if args.decode:
-        phases = [Phase("decode", b, args.context, b) for b in _sizes(args.decode, "--decode")]
+        phases = [Phase("decode", b, context, b) for b in _sizes(args.decode, "--decode")]
     else:
-        phases = [Phase("prefill", args.batch * n, n, args.batch) for n in _sizes(args.prefill or "2048", "--prefill")]
+        phases = [Phase("prefill", batch * n, n, batch) for n in _sizes(args.prefill or "2048", "--prefill")]
     plans = [make_plan(shape, layout, ph, ops, comm, args.contention, overhead_us=args.overhead_us, **extra)
              for ph in phases]
     if args.sync_f is not None:
         plans = [calibrate_to_sync_f(p, args.sync_f, ops, comm, args.overhead_us, extra) for p in plans]
     print("\n\n".join(format_plan(p) for p in plans))
     fit = memory.fit(shape, dtype, gpu.name, gpu.hbm_bytes, layout.tp, layout.dp)
-    source = "--dtype" if args.dtype else \
-        "config.json's quantization_config" if shape.weight_format == "fp8" else "no quantization_config"
-    print("\n" + "\n".join(fit.report(source)))
+    print("\n" + "\n".join(fit.report(dtype_source(args.dtype, shape))))
     if getattr(ops, "extrapolated", None):
         print(f"warning: per-op times extrapolated beyond the measured sizes: {', '.join(sorted(ops.extrapolated))}",
               file=sys.stderr)
