@@ -13,10 +13,11 @@ the rest of the CPU environment), and the plugin fixes one CUDA-only call (`inst
   (sglang/srt/arg_groups/pd_disaggregation_hook.py), and SGLang then skips HCA selection
   (distributed/device_communicators/mooncake_transfer_engine.py).
 - `SGLANG_HOST_IP` = the loopback address, when the server listens on loopback only (SGLang's
-  default `--host 127.0.0.1`): otherwise SGLang advertises the address of a network interface
-  (utils/network.py `get_local_ip_auto`) to the bootstrap server and binds its KV-transfer
-  sockets and Mooncake's listener there, so a server the user kept on loopback would take KV
-  traffic from other hosts.
+  default `--host 127.0.0.1`): otherwise SGLang picks the address of a network interface
+  (utils/network.py `get_local_ip_auto`), binds its KV manager's socket there and advertises it,
+  and Mooncake's session name, to the peer server, so a server the user kept on loopback would
+  exchange KV control messages over an outside interface (seen here: 192.0.2.2 without it,
+  127.0.0.1 with it). Mooncake's own listeners bind every interface either way.
 - `SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0` (prefill only reads it): upstream's switch
   for sending a request's cached-prefix KV before its forward. Under overlap scheduling that
   path records `torch.cuda.Event()` on the forward stream (disaggregation/prefill.py

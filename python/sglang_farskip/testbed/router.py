@@ -3,8 +3,8 @@ for tests and benchmarks: started from its own virtual environment, waited for u
 worker is registered and healthy, always killed with its process tree.
 
 Its own environment (`.venv-router` at the repository root, made by scripts/bootstrap.sh from
-requirements/router.txt), because it pins newer web packages (uvicorn, and at times fastapi and
-pydantic) than SGLang 0.5.23 runs with. Why `/workers` and not `/health`: in PD mode the
+requirements/router.txt), because pip gives it newer web packages (fastapi, uvicorn, unbounded in
+its requirements) than SGLang 0.5.23 is pinned to. Why `/workers` and not `/health`: in PD mode the
 router's `/health` answers 200 before it has registered a worker, and a request sent then gets
 503 "No prefill workers available".
 """
