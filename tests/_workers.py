@@ -40,6 +40,7 @@ LONGEST_FIRST = [
     "netns",  # 250
     "tests/test_parallel.py",  # 215
     "tests/test_spec_farskip.py",  # 205
+    "tests/test_pd.py",  # 195
     "tests/test_fcsd.py",  # 180
     "tests/test_instella.py",  # 180
     "tests/test_load_harness.py",  # 165
