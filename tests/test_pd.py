@@ -245,6 +245,8 @@ def test_environment_of_a_cpu_pd_server():
     assert env == {"MC_FORCE_TCP": "1", "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0",
                    "SGLANG_HOST_IP": "127.0.0.1"}
     assert "SGLANG_HOST_IP" not in pd_environment("decode", "0.0.0.0")  # SGLang's detection decides
+    assert pd_environment("decode", "127.0.0.1", "127.0.0.1:5000")["SGLANG_HOST_IP"] == "127.0.0.1"
+    assert "SGLANG_HOST_IP" not in pd_environment("decode", "127.0.0.1", "10.0.0.1:5000")  # a peer elsewhere
     assert pd_environment("null", "127.0.0.1") == {}
 
 

@@ -54,12 +54,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def pd_environment(mode: str, host: str) -> dict[str, str]:
-    """What a CPU server in PD `mode` needs in its environment (empty outside PD)."""
+def pd_environment(mode: str, host: str, dist_init_addr: str | None = None) -> dict[str, str]:
+    """What a CPU server in PD `mode` needs in its environment (empty outside PD). The host IP
+    only when the server and its other nodes (--dist-init-addr) are all on loopback: a node
+    rank > 0 serves no HTTP, so its --host is often left at the default while its peers are on
+    other hosts, which a loopback address would cut off."""
     if mode not in PD_MODES:
         return {}
     env = {"MC_FORCE_TCP": "1", "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}
-    if is_loopback(host):
+    peers_local = dist_init_addr is None or is_loopback(dist_init_addr.rsplit(":", 1)[0].strip("[]"))
+    if is_loopback(host) and peers_local:
         env["SGLANG_HOST_IP"] = "127.0.0.1" if host == "localhost" else host
     return env
 

@@ -198,7 +198,8 @@ def _cpu_setup(given: GivenArgs) -> list[str]:
     _setdefault_env(cpu_environment(ranks_on_this_node=max(1, tp // nnodes), cores=os.cpu_count() or 1))
     # SGLang's default --host is loopback (the default here is read from its own parser).
     _setdefault_env(pd_environment(given.get("--disaggregation-mode", "null"),
-                                   given.get("--host", _sglang_default("host"))))
+                                   given.get("--host", _sglang_default("host")),
+                                   given.get("--dist-init-addr")))
     extra = []
     for flag, value in cpu_default_args():
         if flag not in given:
