@@ -1,16 +1,36 @@
 #!/usr/bin/env bash
 # Create .venv at the repository root (if missing) and install everything, pinned:
 # torch 2.14.1, sglang 0.5.23 (--no-deps: its declared deps are CUDA kernels), the CPU
-# dependency set in requirements/cpu.txt, this package (editable), and the sgl_kernel CPU
-# stand-in. Idempotent: a stamp of the inputs skips work that is already done.
+# dependency set in requirements/cpu.txt, Mooncake for PD disaggregation
+# (requirements/pd-cpu.txt), this package (editable), and the sgl_kernel CPU stand-in; and SGLang's
+# router in its own .venv-router (scripts/router-env.sh). Idempotent: a stamp of the inputs
+# skips work that is already done.
 set -euo pipefail
 shopt -s nullglob  # an empty patches/ is fine
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 python="${PYTHON:-python3}"
 
+# Mooncake's engine (requirements/pd-cpu.txt) links these two Debian libraries even for its TCP
+# transport; without them every PD server fails at its first import. Checked on every run (the
+# stamp below does not know the system). .ci/run installs them as root.
+ldconfig="$(command -v ldconfig || echo /sbin/ldconfig)"  # /sbin is not on every user's PATH
+libs="$("$ldconfig" -p)"
+missing=()
+for lib in libibverbs.so.1 libnl-route-3.so.200; do
+  grep -q "$lib" <<<"$libs" || missing+=("$lib")
+done
+if ((${#missing[@]})); then
+  echo "error: ${missing[*]} not found (Mooncake's transfer engine, used for PD disaggregation, links" \
+    "them): run \`apt-get install libibverbs1 libnl-route-3-200\` as root, then this again" >&2
+  exit 2
+fi
+
+"$root/scripts/router-env.sh"
+
 stamp_inputs() {
-  cat "$root/requirements/cpu.txt" "$root/requirements/tools.txt" "$root/pyproject.toml" \
+  cat "$root/requirements/cpu.txt" "$root/requirements/tools.txt" "$root/requirements/pd-cpu.txt" \
+    "$root/pyproject.toml" \
     "$root/scripts/bootstrap.sh" "$root"/patches/*.patch
   echo "$root"
 }
@@ -60,6 +80,7 @@ pip_install -r "$root/requirements/cpu.txt"
 if grep -q '^[^#[:space:]]' "$root/requirements/tools.txt"; then
   pip_install -r "$root/requirements/tools.txt" -c "$root/requirements/cpu.txt"
 fi
+pip_install -r "$root/requirements/pd-cpu.txt" -c "$root/requirements/cpu.txt" -c "$root/requirements/tools.txt"
 pip_install --no-deps -e "$root"
 
 # The stand-in goes *after* site-packages on sys.path, so a real sgl_kernel always wins.
@@ -75,6 +96,7 @@ v = md.version("sglang")
 if v != "0.5.23":
     sys.exit(f"error: sglang {v} installed, sglang_farskip is pinned to 0.5.23")
 import torch, transformers, sglang_farskip  # noqa: F401
+from mooncake.engine import TransferEngine  # noqa: F401  (needs the two libraries checked above)
 PY
 echo "$want" > "$venv/.farskip-stamp"
 echo "== installed" >&2

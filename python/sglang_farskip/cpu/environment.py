@@ -16,6 +16,8 @@ Upstream gaps (fixed at plugin load, in every SGLang process, see serve/plugin.p
    ops those paths call have twins in the sgl_kernel stand-in.
 4. DeepSeek's block-FP8 checkpoints: upstream serves them on CPU only with AMX kernels;
    cpu/fp8.py installs torch-native FP8 linear and MoE methods where those are missing.
+5. PD disaggregation: a CUDA-only call in the prefill server's KV send (cpu/pd.py, which also
+   holds the environment a PD server needs on CPU).
 
 And one start-up cost: SGLang starts its workers (schedulers, detokenizer, DP controller) with
 multiprocessing's "spawn" (`engine._set_envs_and_config`), because a forked process cannot use
@@ -167,7 +169,7 @@ def apply_cpu_fixes() -> None:
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_farskip.cpu import attention, fp8, spec
+    from sglang_farskip.cpu import attention, fp8, pd, spec
 
     if multiprocessing.parent_process() is None:  # the launching process (with SGLang's own CLI)
         one_thread_until_workers_start()
@@ -178,6 +180,7 @@ def apply_cpu_fixes() -> None:
     backend = spec.backend_class()
     register_attention_backend("torch_native")(lambda runner: backend(runner))
     fp8.install()
+    pd.install()
     _make_native_moe_skip_foreign_experts()
     _make_reduce_scatterv_work_without_pynccl()
     HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config",
@@ -185,7 +188,7 @@ def apply_cpu_fixes() -> None:
     _applied = True
     logger.info("sglang_farskip: CPU fixes applied (torch_native MLA dispatch and MHA prefill, "
                 "speculative verify and draft decode, EP>1 native MoE, reduce-scatterv on gloo, "
-                "torch-native block FP8)")
+                "torch-native block FP8, PD KV send without CUDA)")
 
 
 # torch's thread count for SGLang's workers, saved when this process went down to one thread.

@@ -192,13 +192,26 @@ def _cpu_setup(given: GivenArgs) -> list[str]:
     """The per-rank CPU environment, and the CPU defaults for flags the user did not give."""
     from sglang_farskip.cpu.environment import cpu_default_args, cpu_environment
 
+    from sglang_farskip.cpu.pd import pd_environment
+
     tp, nnodes = given.get("--tp-size", 1), given.get("--nnodes", 1)
     _setdefault_env(cpu_environment(ranks_on_this_node=max(1, tp // nnodes), cores=os.cpu_count() or 1))
+    # SGLang's default --host is loopback (the default here is read from its own parser).
+    _setdefault_env(pd_environment(given.get("--disaggregation-mode", "null"),
+                                   given.get("--host", _sglang_default("host")),
+                                   given.get("--dist-init-addr")))
     extra = []
     for flag, value in cpu_default_args():
         if flag not in given:
             extra += [flag] if value is None else [flag, value]
     return extra
+
+
+def _sglang_default(field: str):
+    from sglang.srt.arg_groups.arg_utils import record_fields
+    from sglang.srt.server_args import ServerArgs
+
+    return next(f.default for f in record_fields(ServerArgs) if f.name == field)
 
 
 # The flags that set prefill CUDA graphs; one given by the user (or a deployment) is kept.
@@ -400,6 +413,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_farskip.serve.refusals import unsupported, uses_side_stream
+    from sglang_farskip.serve.status import pd_role
     from sglang_farskip.options import publish
     from sglang_farskip.serve.plugin import unregistered
 
@@ -419,6 +433,10 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         raise UserError(f"SGLang rejected the arguments: {e}") from None
     resolved = resolving_view(server_args)
     _check_mla_layout(server_args, config)
+    if on_cpu:
+        from sglang_farskip.cpu import pd
+
+        pd.check(resolved)
     if (getattr(resolved, "tokenizer_worker_num", 1) or 1) > 1:
         raise UserError(
             "--tokenizer-worker-num above 1 starts HTTP workers that SGLang runs without its API-key "
@@ -450,6 +468,8 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         "tp_size": resolved.tp_size,
         "ep_size": resolved.ep_size,
         "attn_dp_size": resolved.attn_dp_size or 1,  # DP attention (--dp with --enable-dp-attention)
+        # Prefill/decode disaggregation: "prefill", "decode", or "none" (one server does both).
+        "pd_role": pd_role(resolved.disaggregation_mode),
         "nnodes": resolved.nnodes,
         "node_rank": resolved.node_rank,
         "ready_timeout_s": own.farskip_ready_timeout,

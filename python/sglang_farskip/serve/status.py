@@ -45,9 +45,15 @@ def read_rank_statuses(directory: str | Path) -> list[dict]:
     return sorted(reports, key=lambda r: r["tp_rank"])
 
 
+def pd_role(disaggregation_mode: str | None) -> str:
+    """SGLang's --disaggregation-mode as the report names it: "prefill", "decode", or "none"
+    (SGLang's "null": one server runs both phases)."""
+    return disaggregation_mode if disaggregation_mode in ("prefill", "decode") else "none"
+
+
 def model_report(model, farskip, num_layers: int, requested, mode, comm_backend: str, extra: dict) -> dict:
     """What one rank's model really built: the class, the wiring, the mode that runs."""
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import get_disagg, get_parallel
 
     from sglang_farskip import SGLANG_VERSION, fp8
 
@@ -73,6 +79,7 @@ def model_report(model, farskip, num_layers: int, requested, mode, comm_backend:
         "attn_dp_rank": parallel.attn_dp_rank,  # DP attention: which DP rank's tokens attend here
         "attn_dp_size": parallel.attn_dp_size,
         "attn_tp_size": parallel.attn_tp_size,
+        "pd_role": pd_role(get_disagg().disaggregation_mode),
         "pid": os.getpid(),
         "sglang_version": SGLANG_VERSION,
         **extra,
