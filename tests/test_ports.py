@@ -39,3 +39,11 @@ def test_a_bound_port_is_skipped():
     with socket.socket() as s:
         s.bind(("0.0.0.0", expected + 233))  # a port SGLang derives (DP attention's ZMQ block)
         assert ports.free_port() != expected
+
+
+def test_a_process_wraps_around_its_own_blocks():
+    """More calls than blocks (test_pd asks for dozens): the range wraps onto this process's own
+    claims, as before claims existed."""
+    low, high = ports._port_range()
+    got = [ports.free_port() for _ in range(3 * (high - low) // ports.PORT_STRIDE)]
+    assert len(set(got)) <= (high - low) // ports.PORT_STRIDE

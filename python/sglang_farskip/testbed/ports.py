@@ -27,7 +27,7 @@ import socket
 # process's server there.
 PORT_RANGE = (10000, 21000)
 _CLAIMS = "/tmp/sglang-farskip-ports"
-_claimed: list[int] = []  # open descriptors of this process's claims
+_claimed: dict[int, int] = {}  # port -> open descriptor of this process's claim on its block
 PORT_STRIDE = 250
 _DERIVED_OFFSETS = (0, *range(1, 8), *range(233, 241))
 _next_block = [None]
@@ -54,7 +54,10 @@ def _bindable(port: int) -> bool:
 
 
 def _claim(port: int) -> bool:
-    """Claim `port`'s block for this process's lifetime; False if another live process holds it."""
+    """Claim `port`'s block for this process's lifetime; False if another live process holds it.
+    A block this process claimed before is its own to hand out again when the range wraps."""
+    if port in _claimed:
+        return True
     os.makedirs(_CLAIMS, mode=0o777, exist_ok=True)
     fd = os.open(f"{_CLAIMS}/{port}", os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -62,7 +65,7 @@ def _claim(port: int) -> bool:
     except BlockingIOError:
         os.close(fd)
         return False
-    _claimed.append(fd)
+    _claimed[port] = fd
     return True
 
 
