@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +20,7 @@ from pathlib import Path
 
 from sglang_farskip.testbed import REPO
 from sglang_farskip.testbed.ports import free_port
+from sglang_farskip.testbed.servers import HttpProcess
 
 ROUTER_PYTHON = REPO / ".venv-router" / "bin" / "python"
 START_TIMEOUT_S = 120  # 10-23 s seen here beside servers
@@ -34,16 +33,15 @@ def router_python() -> Path:
     return ROUTER_PYTHON
 
 
-class Router:
+class Router(HttpProcess):
     """`launch_router --pd-disaggregation`: `prefill` is [(url, bootstrap port)], `decode` [url]."""
 
     def __init__(self, prefill: list[tuple[str, int]], decode: list[str], *,
                  extra: list[str] = (), log_path: Path | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         self.expected = len(prefill) + len(decode)
         cmd = [str(router_python()), "-m", "sglang_router.launch_router", "--pd-disaggregation",
-               "--host", "127.0.0.1", "--port", str(self.port),
+               "--host", "127.0.0.1", "--port", str(port),
                # Its metrics listener has a fixed default port (29000): one per router.
                "--prometheus-port", str(free_port())]
         for url, bootstrap_port in prefill:
@@ -51,12 +49,9 @@ class Router:
         for url in decode:
             cmd += ["--decode", url]
         cmd += list(extra)
-        self.log_path = log_path or Path(f"/tmp/farskip-test-router-{self.port}.log")
-        self._log = open(self.log_path, "w")
         # Not this process's environment: PYTHONPATH and the like point into SGLang's venv.
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, cwd=REPO)
+        super().__init__(port, cmd, env, log_path or Path(f"/tmp/farskip-test-router-{port}.log"))
 
     def workers(self) -> list[dict]:
         with urllib.request.urlopen(self.url + "/workers", timeout=10) as r:
@@ -78,28 +73,3 @@ class Router:
             time.sleep(0.5)
         raise TimeoutError(f"router: {len(seen)} of {self.expected} workers healthy after {timeout} s "
                            f"({seen}):\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def post(self, path: str, payload: dict, timeout: float = 120) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-        self._log.close()
-
-    def __enter__(self) -> "Router":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

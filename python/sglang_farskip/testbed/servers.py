@@ -42,13 +42,57 @@ def admin_post(base_url: str, path: str, payload: dict | None = None, key: str =
         return r.read().decode(errors="replace")
 
 
-class Server:
+class HttpProcess:
+    """A command serving HTTP on `port`, in a session of its own (so that `stop` kills its whole
+    tree) with its output in `log_path`. What Server and testbed.router.Router share."""
+
+    def __init__(self, port: int, cmd: list[str], env: dict, log_path: Path):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=REPO)
+
+    def log_tail(self, n: int = 60) -> str:
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(line for line in lines[-n:] if "Ignore import error" not in line)
+
+    def post(self, path: str, payload: dict, timeout: float = 120) -> dict:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def get(self, path: str, timeout: float = 30) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Server(HttpProcess):
     def __init__(self, args: list[str], *, stock: bool = False, env: dict | None = None,
                  log_path: Path | None = None, eager: bool = True, admin_key: str | None = ADMIN_KEY):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         module = "sglang.launch_server" if stock else "sglang_farskip.launch_server"
-        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args]
         full_env = {**os.environ, **(EAGER if eager else {}), **(env or {})}
         if admin_key and not stock and not any(a.startswith("--admin-api-key") for a in args):
             full_env.setdefault("FARSKIP_ADMIN_API_KEY", admin_key)
@@ -59,12 +103,7 @@ class Server:
             full_env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
             full_env.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
             full_env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "0")
-        self.log_path = log_path or Path(f"/tmp/farskip-test-server-{self.port}.log")
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-            start_new_session=True, cwd=REPO,
-        )
+        super().__init__(port, cmd, full_env, log_path or Path(f"/tmp/farskip-test-server-{port}.log"))
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Server":
         deadline = time.monotonic() + timeout
@@ -96,26 +135,9 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"no {title} process after {timeout} s:\n{self.log_tail()}")
 
-    def log_tail(self, n: int = 60) -> str:
-        self._log.flush()
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(line for line in lines[-n:] if "Ignore import error" not in line)
-
-    def post(self, path: str, payload: dict, timeout: float = 120) -> dict:
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(payload).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
     def admin(self, path: str, payload: dict | None = None) -> str:
         """POST to an admin route with the testbed's admin key."""
         return admin_post(self.url, path, payload)
-
-    def get(self, path: str, timeout: float = 30) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-            return json.loads(r.read())
 
     def generate(self, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
         """Greedy tokens and the logprob of each chosen token, through SGLang's /generate."""
@@ -127,21 +149,6 @@ class Server:
         })
         pairs = out["meta_info"]["output_token_logprobs"]  # [(logprob, token_id, text), ...]
         return [p[1] for p in pairs], [p[0] for p in pairs]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-        self._log.close()
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 @contextlib.contextmanager
