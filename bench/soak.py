@@ -12,7 +12,8 @@ waits --retry-wait before its next request so that a refused port is not hammere
 
 Printed (and written as JSON with --out): successes and failures per second, the outage window
 (from the first failure after the fault to the last failure), the recovery time (from the
-fault to the end of the first success after the last failure), the longest request, and three
+fault to the end of the first success after the last failure; 0 when none failed after the
+fault), the longest request, and three
 checks, each of which makes the exit status non-zero:
 - every request started was accounted for (an answer or an error): none silently dropped;
 - every request ended within --request-timeout plus a 5 s margin: no client hangs;
@@ -135,8 +136,10 @@ def summarize(records: list[Record], started: int, hung_clients: int, fault: dic
         "requests": len(records), "started": started, "succeeded": len(records) - len(failures),
         "failed": len(failures), "errors": errors, "fault": fault,
         "outage_window_s": [round(after[0].end, 1), round(after[-1].end, 1)] if after else None,
-        "recovery_s": (round(first_success_after - fault_at, 1)
-                       if fault and first_success_after is not None else None),
+        # No failure after the fault: nothing to recover from (0, not the time of a success
+        # from before the fault).
+        "recovery_s": (None if not fault or first_success_after is None else
+                       0.0 if not after else round(first_success_after - fault_at, 1)),
         "longest_request_s": round(longest, 2), "checks": checks, "per_second": per_second,
         "records": [asdict(r) for r in records] if args.records else None,
     }

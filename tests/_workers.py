@@ -46,6 +46,7 @@ LONGEST_FIRST = [
     "tests/test_server_parity.py",  # 120
     "tests/test_fp8.py",  # 100
     "tests/test_cpu_mha.py",  # 110
+    "tests/test_replicas.py",  # 96 (alone, beside other sessions' load; one run 140 s)
     "tests/test_pd.py",  # 85 (three runs alone: 83-86 s; 195 s once beside other servers)
 ]
 

@@ -38,6 +38,14 @@ DEMO_MODEL_NAMES = {"deepseek-v3": "farskip-demo", "deepseek-v3-fp8": "farskip-d
                     "instella": "farskip-demo-instella"}
 _UNSET = object()
 
+# Every server, not only deployments: `/health` answers SGLang's server status (200 once the
+# warm-up request has generated through every rank) instead of generating a token itself.
+# Load balancers ask `/health` every few seconds (SGLang's router, Kubernetes probes); a
+# generating `/health` queues behind real requests, and on a busy server it timed out and the
+# router dropped a live worker (docs/pd.md, "Replicas behind the router"). `/health_generate`
+# still generates, for the checks that must see a hung scheduler (serve/watchdog.py).
+SERVER_ENVIRONMENT = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+
 
 # ---------------------------------------------------------------- the command line
 class GivenArgs:
@@ -350,6 +358,7 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     own, argv = _split_own_flags(argv)
     gpu = _gpu_present()
     _cpu_engine_env_first(gpu)
+    _setdefault_env(SERVER_ENVIRONMENT)
     given = GivenArgs(argv)
     on_cpu = _device(given, gpu) == "cpu"
     if on_cpu:  # before anything here runs torch (the demo build does)

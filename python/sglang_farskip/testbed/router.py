@@ -33,17 +33,46 @@ def router_python() -> Path:
     return ROUTER_PYTHON
 
 
-class Router(HttpProcess):
-    """`launch_router --pd-disaggregation`: `prefill` is [(url, bootstrap port)], `decode` [url]."""
+# Plain mode over replicas: a dead worker dropped within seconds, a live one never. Why each
+# (measured with tests/test_replicas.py; docs/pd.md, "Replicas behind the router"):
+REPLICA_FLAGS = [
+    # Our servers' /health is a status read (serve/launcher.py, SERVER_ENVIRONMENT), so asking
+    # every 2 s costs nothing; the default, 60 s, left a dead worker in rotation for minutes.
+    "--health-check-interval-secs", "2",
+    # Generous: a live server's /health on two busy cores answered in well under a second, and
+    # a check that times out on a live worker is how the probe's live worker flapped.
+    "--health-check-timeout-secs", "5",
+    "--health-failure-threshold", "2",
+    # A request whose worker refused, reset or timed out is sent to the other one (retries are
+    # the router's default; said here so that the setting is one place).
+    "--retry-max-retries", "5",
+    # A hung worker accepts connections and never answers: without a bound the request waits
+    # out the router's default 1800 s. It bounds every request, so a deployment sets it above
+    # its longest one (docs/pd.md); here requests are 4 tokens on CPU (well under 1 s), and a
+    # client of the tests waits 60 s.
+    "--request-timeout-secs", "20",
+]
 
-    def __init__(self, prefill: list[tuple[str, int]], decode: list[str], *,
-                 extra: list[str] = (), log_path: Path | None = None):
+
+class Router(HttpProcess):
+    """`launch_router --pd-disaggregation` when `prefill` ([(url, bootstrap port)]) and `decode`
+    ([url]) are given; plain mode over `workers` ([url], replicas) with REPLICA_FLAGS otherwise.
+    `extra` flags come last (argparse keeps the last of a repeated flag)."""
+
+    def __init__(self, prefill: list[tuple[str, int]] = (), decode: list[str] = (), *,
+                 workers: list[str] = (), extra: list[str] = (), log_path: Path | None = None):
+        if bool(workers) == bool(prefill or decode):
+            raise ValueError("give either workers (plain mode) or prefill and decode (PD mode)")
         port = free_port()
-        self.expected = len(prefill) + len(decode)
-        cmd = [str(router_python()), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        self.expected = len(prefill) + len(decode) + len(workers)
+        cmd = [str(router_python()), "-m", "sglang_router.launch_router",
                "--host", "127.0.0.1", "--port", str(port),
                # Its metrics listener has a fixed default port (29000): one per router.
                "--prometheus-port", str(free_port())]
+        if workers:
+            cmd += ["--worker-urls", *workers, *REPLICA_FLAGS]
+        else:
+            cmd.append("--pd-disaggregation")
         for url, bootstrap_port in prefill:
             cmd += ["--prefill", url, str(bootstrap_port)]
         for url in decode:
