@@ -10,7 +10,8 @@ forked one (on CPU, cpu/environment.py) inherits them, and SGLang does not load 
    layout (SGLang recognises MLA from a hard-coded list of architecture names);
 4. hooks SGLang's redaction so that the API keys never reach a log, a crash dump or an HTTP
    answer (serve/redact.py);
-5. bounds the waits for peer nodes that upstream leaves unbounded or at two hours (serve/timeouts.py).
+5. bounds the waits for peer nodes that upstream leaves unbounded or at two hours (serve/timeouts.py);
+6. fixes a race that ends a PD prefill server's KV transfer thread (serve/kv_transfer.py).
 
 The class is upstream's whenever config.json says `"farskip": false`, so plain DeepSeek-V3
 checkpoints are served exactly as stock SGLang serves them.
@@ -87,11 +88,12 @@ def register() -> None:
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_farskip.serve import redact, timeouts
+    from sglang_farskip.serve import kv_transfer, redact, timeouts
 
     register_cpu_support()
     redact.install()
     timeouts.install()
+    kv_transfer.install()
     for arch, cls in _classes().items():
         ModelRegistry.models[arch] = cls
         logger.info("sglang_farskip: %s -> %s", arch, cls.__qualname__)
