@@ -35,7 +35,7 @@ import pytest
 
 from sglang_farskip.cpu.pd import pd_environment
 from sglang_farskip.reference import load_reference
-from sglang_farskip.testbed.ports import PORT_STRIDE, free_port
+from sglang_farskip.testbed.ports import free_port, mooncake_ports
 from sglang_farskip.testbed.router import Router
 from sglang_farskip.testbed.servers import assert_fails, launch, side_by_side
 from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides, predictable_mtp
@@ -59,11 +59,6 @@ def checkpoints(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ starting a PD deployment
-def _mooncake_ports() -> dict[str, str]:
-    first = free_port()
-    return {"MC_MIN_RPC_PORT": str(first), "MC_MAX_RPC_PORT": str(first + PORT_STRIDE - 1)}
-
-
 def pd_runs(name: str, model, *, prefill: list[str] = (), decode: list[str] = (),
             decode_nodes: int = 1, flags: list[str] = ()) -> tuple[dict, int]:
     """side_by_side runs for one prefill server and one decode server (`decode_nodes` node
@@ -72,13 +67,13 @@ def pd_runs(name: str, model, *, prefill: list[str] = (), decode: list[str] = ()
     common = ["--model-path", str(model), *FLOAT32, *flags]
     runs = {f"{name}/prefill": dict(args=[*common, *prefill, "--disaggregation-mode", "prefill",
                                           "--disaggregation-bootstrap-port", str(bootstrap)],
-                                    env={**ONE_THREAD, **_mooncake_ports()})}
+                                    env={**ONE_THREAD, **mooncake_ports()})}
     addr = f"127.0.0.1:{free_port()}"
     for rank in range(decode_nodes):
         nodes = (["--nnodes", str(decode_nodes), "--node-rank", str(rank), "--dist-init-addr", addr,
                   "--dist-timeout", "60"] if decode_nodes > 1 else [])
         runs[f"{name}/decode{rank}"] = dict(args=[*common, *decode, "--disaggregation-mode", "decode", *nodes],
-                                            env={**ONE_THREAD, **_mooncake_ports()})
+                                            env={**ONE_THREAD, **mooncake_ports()})
     return runs, bootstrap
 
 

@@ -88,11 +88,20 @@ class HttpProcess:
 
 
 class Server(HttpProcess):
+    """`watchdog`: run the server under serve/watchdog.py with these flags, as a deployment
+    does (it restarts a crashed or hung server; `server_pid` is the server's own process)."""
+
     def __init__(self, args: list[str], *, stock: bool = False, env: dict | None = None,
-                 log_path: Path | None = None, eager: bool = True, admin_key: str | None = ADMIN_KEY):
+                 log_path: Path | None = None, eager: bool = True, admin_key: str | None = ADMIN_KEY,
+                 watchdog: list[str] | None = None):
         port = free_port()
         module = "sglang.launch_server" if stock else "sglang_farskip.launch_server"
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args]
+        self.watched = watchdog is not None
+        if self.watched:
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "sglang_farskip.serve.watchdog", "--url", url + "/health_generate",
+                   "--up-url", url + "/health", *watchdog, "--", *cmd]
         full_env = {**os.environ, **(EAGER if eager else {}), **(env or {})}
         if admin_key and not stock and not any(a.startswith("--admin-api-key") for a in args):
             full_env.setdefault("FARSKIP_ADMIN_API_KEY", admin_key)
@@ -104,6 +113,26 @@ class Server(HttpProcess):
             full_env.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
             full_env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "0")
         super().__init__(port, cmd, full_env, log_path or Path(f"/tmp/farskip-test-server-{port}.log"))
+
+    def server_pid(self) -> int:
+        """The launcher's pid: this process's, or under a watchdog its child's (the server runs
+        in a process group of its own there, which `kill -- -PID` ends whole)."""
+        import psutil
+
+        if not self.watched:
+            return self.proc.pid
+        children = psutil.Process(self.proc.pid).children()
+        if not children:
+            raise RuntimeError(f"the watchdog (pid {self.proc.pid}) runs no server now:\n{self.log_tail()}")
+        return children[0].pid
+
+    def stop(self) -> None:
+        # The server is in a session of its own under the watchdog: end it first (the watchdog's
+        # back-off keeps it from starting another before the watchdog itself is ended).
+        if self.watched and self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                os.killpg(self.server_pid(), signal.SIGKILL)
+        super().stop()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Server":
         deadline = time.monotonic() + timeout
