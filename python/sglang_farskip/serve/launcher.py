@@ -177,8 +177,9 @@ def _metrics_dir_first() -> None:
     imported. The plugins SGLang loads before that (load_plugins below) import Mooncake's
     connector (our CPU hook on its KV sender), which imports prometheus_client: every value then
     stayed in its process's memory and each server's /metrics answered an empty page (measured:
-    0 bytes after requests, PD or not). Naming the directory first keeps the values in files;
-    SGLang then makes its own temporary directory inside it and writes here."""
+    0 bytes after requests, PD or not). Naming the directory first keeps the values in files
+    there (SGLang, finding the variable set, keeps it: utils/common.py's
+    set_prometheus_multiproc_dir)."""
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sglang-farskip-metrics-")
 
