@@ -5,7 +5,7 @@ One server:
     python bench/run_load.py --url http://127.0.0.1:30000 --concurrency 1,4,16 --duration 30
 SGLang's router (plain or PD) is a target like a server: the report names the servers behind it
 (its /workers) and, in PD mode, which one's phase each figure measures:
-    python bench/run_load.py --url http://127.0.0.1:8000 --concurrency 1,4 --duration 30
+    python bench/run_load.py --url http://127.0.0.1:8000 --endpoint generate --concurrency 1,4 --duration 30
 A/B, interleaved level by level (ratios are first label / second label):
     python bench/run_load.py --target farskip=http://127.0.0.1:30000 \
         --target baseline=http://127.0.0.1:30001 --concurrency 1,4,16 --duration 30
