@@ -20,9 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sglang_farskip.testbed import REPO
-from sglang_farskip.testbed.ports import free_port, mooncake_ports
-from sglang_farskip.testbed.router import Router
+from sglang_farskip.testbed import REPO, pd
 from sglang_farskip.testbed.servers import side_by_side
 
 # A restart as soon as a check fails twice, 1 s after the crash: the deployment's defaults
@@ -44,29 +42,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="soak.py's JSON result")
     args = p.parse_args(argv)
 
-    bootstrap = free_port()
-    role = ["--disaggregation-mode"]
-    runs = {
-        "prefill": dict(args=[*role, "prefill", "--disaggregation-bootstrap-port", str(bootstrap)],
-                        env={**ONE_THREAD, **mooncake_ports()}, watchdog=WATCHDOG,
-                        log_path=args.logs / "pd-soak-prefill.log"),
-        "decode": dict(args=[*role, "decode"], env={**ONE_THREAD, **mooncake_ports()}, watchdog=WATCHDOG,
-                       log_path=args.logs / "pd-soak-decode.log"),
-    }
+    runs, bootstrap = pd.pd_runs("pd", [], env=ONE_THREAD)
+    for name, run in runs.items():  # "pd/prefill", "pd/decode0"
+        run.update(watchdog=WATCHDOG, log_path=args.logs / f"pd-soak-{name.split('/')[1]}.log")
     with side_by_side(runs) as servers, contextlib.ExitStack() as stack:
-        router = stack.enter_context(Router([(servers["prefill"].url, bootstrap)], [servers["decode"].url],
-                                            log_path=args.logs / "pd-soak-router.log"))
+        router = stack.enter_context(pd.router(servers, "pd", bootstrap, log_path=args.logs / "pd-soak-router.log"))
         router.wait_ready()
         fault = []
         if args.fault != "none":
+            victim = "prefill" if args.fault == "prefill" else "decode0"
             fault = ["--fault-at", str(args.fault_at),
-                     "--fault-cmd", f"kill -KILL -- -{servers[args.fault].server_pid()}"]
+                     "--fault-cmd", f"kill -KILL -- -{servers['pd/' + victim].server_pid()}"]
         cmd = [sys.executable, str(REPO / "bench" / "soak.py"), "--url", router.url,
                "--duration", str(args.duration), "--concurrency", str(args.concurrency), *fault,
                "--request-timeout", str(args.request_timeout), "--settle", str(args.settle),
                "--max-tokens", str(args.max_tokens), *(["--out", args.out] if args.out else [])]
         status = subprocess.run(cmd).returncode
-        print(f"logs: {args.logs}/pd-soak-{{prefill,decode,router}}.log")
+        print(f"logs: {args.logs}/pd-soak-{{prefill,decode0,router}}.log")
         return status
 
 

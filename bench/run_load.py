@@ -3,6 +3,9 @@
 
 One server:
     python bench/run_load.py --url http://127.0.0.1:30000 --concurrency 1,4,16 --duration 30
+SGLang's router (plain or PD) is a target like a server: the report names the servers behind it
+(its /workers) and, in PD mode, which one's phase each figure measures:
+    python bench/run_load.py --url http://127.0.0.1:8000 --endpoint generate --concurrency 1,4 --duration 30
 A/B, interleaved level by level (ratios are first label / second label):
     python bench/run_load.py --target farskip=http://127.0.0.1:30000 \
         --target baseline=http://127.0.0.1:30001 --concurrency 1,4,16 --duration 30
@@ -30,8 +33,8 @@ import urllib.error
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sglang_farskip.loadtest import loadstats, report, servermetrics, workload
-from sglang_farskip.loadtest.servers import BenchError, check_reachable, machine_facts, make_note, server_facts, warm_up
+from sglang_farskip.loadtest import loadstats, report, routers, servermetrics, workload
+from sglang_farskip.loadtest.servers import BenchError, machine_facts, make_note, warm_up
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LABEL_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # labels become file names
@@ -152,7 +155,7 @@ def _count_records(path: Path) -> tuple[int, int]:
 
 
 def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_args: list[str],
-              out: Path, spec: bool = False) -> dict:
+              out: Path, facts: dict) -> dict:
     name = f"{label}-c{concurrency}"
     records = out / "requests" / f"{name}.jsonl"
     records.unlink(missing_ok=True)
@@ -171,9 +174,12 @@ def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_a
         cmd += ["--max-requests", str(args.requests)]
     if args.keep_alive:
         cmd.append("--keep-alive")
-    if spec:
+    # Verify-step counts only from servers that decode speculatively (another may refuse the field).
+    if facts.get("speculative_algorithm"):
         cmd.append("--spec-details")
-    before = _scrape(url)
+    # The target's own /metrics, or each of a router's workers' (the router has none of theirs).
+    sources = routers.metric_sources(facts)
+    before = [_scrape(source) for _, source in sources]
     started = time.monotonic()
     hard_limit = run_time + args.stop_timeout + 60
     interrupted = False
@@ -202,8 +208,15 @@ def run_level(label: str, url: str, concurrency: int, index: int, args, prompt_a
         raise BenchError(f"locust failed at {name} (exit {proc.returncode}); {stem}.log ends:\n{log_tail}")
     recs = loadstats.read_records(records) if records.exists() else []
     level = {"label": label, "concurrency": concurrency, "order": index,
-             "records": str(records.relative_to(out)), "client": loadstats.level_summary(recs),
-             "server": servermetrics.summarize(servermetrics.delta(before, _scrape(url)))}
+             "records": str(records.relative_to(out)), "client": loadstats.level_summary(recs)}
+    server = [servermetrics.summarize(servermetrics.delta(b, _scrape(source)))
+              for b, (_, source) in zip(before, sources)]
+    if facts.get("router"):
+        level["server"] = None
+        level["phase_servers"] = [{"role": role, "url": source, "metrics": m}
+                                  for (role, source), m in zip(sources, server)]
+    else:
+        level["server"] = server[0]
     level["locust"] = _locust_counts(Path(f"{stem}.json"))
     # Every request locust saw must have a record, and the other way round.
     if level["locust"] != {"requests": len(recs), "failures": level["client"]["failed"]}:
@@ -261,9 +274,9 @@ def workload_line(args) -> str:
 
 
 def run(args) -> dict:
-    for label, url in args.targets:
-        check_reachable(label, url)
-    facts = {label: server_facts(url, args.api_key) for label, url in args.targets}
+    facts = {label: routers.target_facts(label, url, args.api_key) for label, url in args.targets}
+    for label, f in facts.items():
+        routers.check_endpoint(label, f, args.endpoint)
     tok_path = args.tokenizer or facts[args.targets[0][0]].get("tokenizer_path")
     if not tok_path or not Path(tok_path).exists():
         raise BenchError(f"the server's tokenizer {tok_path!r} is not on this machine: pass --tokenizer DIR")
@@ -285,8 +298,6 @@ def run(args) -> dict:
     for label, url in args.targets:
         if args.warmup:
             warm_up(url, args, args.warmup)
-    # Verify-step counts only from servers that decode speculatively (another may refuse the field).
-    spec = {label: bool(facts[label].get("speculative_algorithm")) for label, _ in args.targets}
     levels = []
     for index, concurrency in enumerate(args.levels):
         # A/B: each level starts with the next label (A B, B A, ... for two; A B C, B C A, ...
@@ -294,7 +305,7 @@ def run(args) -> dict:
         turn = index % len(args.targets)
         order = args.targets[turn:] + args.targets[:turn]
         for label, url in order:
-            levels.append(run_level(label, url, concurrency, index, args, prompt_args, out, spec[label]))
+            levels.append(run_level(label, url, concurrency, index, args, prompt_args, out, facts[label]))
             if levels[-1].get("interrupted"):
                 break
         if levels[-1].get("interrupted"):
@@ -363,8 +374,8 @@ def write_prompts_only(args) -> None:
     if tok is None:
         if not args.targets:
             raise BenchError("--write-prompts needs --tokenizer DIR (or --url to ask the server for its tokenizer)")
-        check_reachable(*args.targets[0])
-        tok = workload.load_tokenizer(server_facts(args.targets[0][1], args.api_key).get("tokenizer_path") or "")
+        facts = routers.target_facts(*args.targets[0], args.api_key)
+        tok = workload.load_tokenizer(facts.get("tokenizer_path") or "")
     prompts = workload.text_prompts(tok, args.dataset_path, args.input_len)
     workload.write_prompts(prompts, args.write_prompts)
     print(f"wrote {len(prompts)} prompts to {args.write_prompts}")

@@ -212,6 +212,12 @@ class SSEProxy:
             time.sleep(wait)
 
     def close(self):
+        # shutdown first: close() alone leaves the serving thread blocked in accept(), which
+        # keeps the listening socket open and accepting (seen: a "closed" proxy still answered).
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
         self.sock.close()
 
     def __enter__(self) -> "SSEProxy":

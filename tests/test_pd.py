@@ -18,10 +18,8 @@ the router for:
   MTP layer makes the drafts mostly accepted;
 - and the paper-shape answers against a plain (not disaggregated) TP=1 server.
 
-Ports: every port comes from testbed/ports.py (HTTP, bootstrap, --dist-init-addr), and so does
-a block for Mooncake's listeners (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT), which otherwise takes
-random ports in 15000-17000, inside the range ports.py hands out to other servers. That is the
-only variable the tests give; the launcher needs none.
+Deployments start through testbed/pd.py (its docstring says how ports are chosen, Mooncake's
+included: the only variable the tests give; the launcher needs none).
 
 Servers start in groups side by side (at most four rank processes at once on two cores), each
 group in a module fixture that collects the answers and stops its servers.
@@ -35,8 +33,7 @@ import pytest
 
 from sglang_farskip.cpu.pd import pd_environment
 from sglang_farskip.reference import load_reference
-from sglang_farskip.testbed.ports import free_port, mooncake_ports
-from sglang_farskip.testbed.router import Router
+from sglang_farskip.testbed import pd
 from sglang_farskip.testbed.servers import assert_fails, launch, side_by_side
 from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides, predictable_mtp
 
@@ -61,30 +58,9 @@ def checkpoints(tmp_path_factory):
 # ------------------------------------------------------------------ starting a PD deployment
 def pd_runs(name: str, model, *, prefill: list[str] = (), decode: list[str] = (),
             decode_nodes: int = 1, flags: list[str] = ()) -> tuple[dict, int]:
-    """side_by_side runs for one prefill server and one decode server (`decode_nodes` node
-    processes), and the prefill server's bootstrap port. `flags` go to both servers."""
-    bootstrap = free_port()
-    common = ["--model-path", str(model), *FLOAT32, *flags]
-    runs = {f"{name}/prefill": dict(args=[*common, *prefill, "--disaggregation-mode", "prefill",
-                                          "--disaggregation-bootstrap-port", str(bootstrap)],
-                                    env={**ONE_THREAD, **mooncake_ports()})}
-    addr = f"127.0.0.1:{free_port()}"
-    for rank in range(decode_nodes):
-        nodes = (["--nnodes", str(decode_nodes), "--node-rank", str(rank), "--dist-init-addr", addr,
-                  "--dist-timeout", "60"] if decode_nodes > 1 else [])
-        runs[f"{name}/decode{rank}"] = dict(args=[*common, *decode, "--disaggregation-mode", "decode", *nodes],
-                                            env={**ONE_THREAD, **mooncake_ports()})
-    return runs, bootstrap
-
-
-def routers(servers: dict, bootstraps: dict[str, int]) -> dict[str, Router]:
-    return {name: Router([(servers[f"{name}/prefill"].url, port)], [servers[f"{name}/decode0"].url])
-            for name, port in bootstraps.items()}
-
-
-def serving(runs: dict) -> list[str]:
-    """What answers HTTP: every server but the decode node ranks above 0."""
-    return [name for name in runs if not name.endswith(("/decode1", "/decode2", "/decode3"))]
+    """testbed.pd.pd_runs for `model` in float32, one thread per rank; `flags` go to both servers."""
+    return pd.pd_runs(name, ["--model-path", str(model), *FLOAT32, *flags], prefill=prefill, decode=decode,
+                      decode_nodes=decode_nodes, env=ONE_THREAD)
 
 
 def prefill_batches(server) -> int:
@@ -120,8 +96,8 @@ def run_group(groups: dict[str, tuple[dict, int]], extra_runs: dict | None = Non
               speculative=()) -> dict:
     runs = {name: kwargs for group_runs, _ in groups.values() for name, kwargs in group_runs.items()}
     runs.update(extra_runs or {})
-    with side_by_side(runs, timeout=START_TIMEOUT_S, serving=serving(runs)) as servers:
-        started = routers(servers, {name: port for name, (_, port) in groups.items()})
+    with side_by_side(runs, timeout=START_TIMEOUT_S, serving=pd.serving(runs)) as servers:
+        started = {name: pd.router(servers, name, port) for name, (_, port) in groups.items()}
         try:
             for router in started.values():
                 router.wait_ready()

@@ -8,7 +8,7 @@ import csv
 import json
 from pathlib import Path
 
-from sglang_farskip.loadtest import plots
+from sglang_farskip.loadtest import plots, routers
 
 CLIENT_COLUMNS = [
     f"{m}_{k}" for m in ("ttft", "itl", "tpot", "e2e")
@@ -86,7 +86,10 @@ def _client_table(levels: list[dict]) -> list[str]:
 
 
 def _server_table(levels: list[dict]) -> list[str]:
+    phases = any(ps["metrics"] for lv in levels for ps in lv.get("phase_servers") or [])
     if not any(lv.get("server") for lv in levels):
+        if phases:
+            return _phase_table(levels)
         return ["Server histograms: not available (start the servers with `--enable-metrics`)."]
     lines = ["Server-side `/metrics` histograms over the same interval (mean exact; p50 interpolated "
              "inside histogram buckets, so only as fine as the buckets):", "",
@@ -94,6 +97,8 @@ def _server_table(levels: list[dict]) -> list[str]:
              "|---|---:|---|---|---|"]
     for lv in levels:
         sv, s = lv.get("server"), lv["client"]
+        if lv.get("phase_servers"):
+            continue  # a router target: its servers' rows follow, in the next table
         if not sv:
             lines.append(f"| {lv['label']} | {lv['concurrency']} | - | - | - |")
             continue
@@ -102,6 +107,34 @@ def _server_table(levels: list[dict]) -> list[str]:
             f"| {_fmt(sv['ttft']['mean_ms'])} / {_fmt(sv['ttft']['p50_ms'])} ({_fmt(s['ttft']['p50_ms'])}) "
             f"| {_fmt(sv['itl']['mean_ms'])} / {_fmt(sv['itl']['p50_ms'])} ({_fmt(s['itl']['mean_ms'])} / {_fmt(s['itl']['p50_ms'])}) "
             f"| {_fmt(sv['e2e']['mean_ms'])} ({_fmt(s['e2e']['mean_ms'])}) |")
+    if phases:
+        lines += [""] + _phase_table(levels)
+    return lines
+
+
+def _hist(h: dict | None) -> str:
+    if not h or not h["count"]:
+        return "-"
+    return f"{h['count']} / {_fmt(h['mean_ms'])} / {_fmt(h['p50_ms'])}"
+
+
+def _phase_table(levels: list[dict]) -> list[str]:
+    """A router target's servers, each with its own histograms: in PD mode the prefill server's
+    and the decode server's, beside the client figure of the phase each one runs."""
+    lines = ["Servers behind a router, each one's own `/metrics` over the same interval (count / mean / "
+             "p50 ms; p50 inside histogram buckets). In PD mode the client's TTFT is the prefill phase, "
+             "its ITL the decode phase:", "",
+             "| label | conc | role | server | TTFT | ITL | E2E | client figure of its phase, p50 ms |",
+             "|---|---:|---|---|---|---|---|---|"]
+    for lv in levels:
+        s = lv["client"]
+        for ps in lv.get("phase_servers") or []:
+            m = ps["metrics"] or {}
+            # The client figure the server's phase accounts for (both on a plain router's servers).
+            owned = [metric for metric, role in routers.PHASES.items() if ps["role"] in (role, "none")]
+            client = ", ".join(f"{metric.upper()} {_fmt(s[metric]['p50_ms'])}" for metric in owned)
+            lines.append(f"| {lv['label']} | {lv['concurrency']} | {ps['role']} | {ps['url']} "
+                         f"| {_hist(m.get('ttft'))} | {_hist(m.get('itl'))} | {_hist(m.get('e2e'))} | {client} |")
     return lines
 
 

@@ -29,7 +29,7 @@ def unauthorized(url: str, api_key: str | None) -> BenchError:
     return BenchError(f"{url} answered HTTP 401 Unauthorized: {fix}")
 
 
-def _get_json(url: str, api_key: str | None = None, timeout: float = 5.0):
+def get_json(url: str, api_key: str | None = None, timeout: float = 5.0):
     with urllib.request.urlopen(urllib.request.Request(url, headers=auth_headers(api_key)),
                                 timeout=timeout) as r:
         return json.loads(r.read())
@@ -54,11 +54,12 @@ def server_facts(url: str, api_key: str | None = None) -> dict:
     /farskip/info, other servers have neither)."""
     facts: dict = {"url": url}
     try:
-        info = _get_json(url + "/get_server_info", api_key)
+        info = get_json(url + "/get_server_info", api_key)
         for key in ("version", "model_path", "tokenizer_path", "device", "tp_size", "stream_interval",
                     "max_running_requests", "enable_metrics", "sleep_on_idle", "disable_radix_cache",
                     "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
-                    "speculative_num_draft_tokens"):
+                    "speculative_num_draft_tokens", "ep_size", "nnodes", "dp_size", "enable_dp_attention",
+                    "disaggregation_mode"):
             facts[key] = info.get(key)
     except urllib.error.HTTPError as e:
         if e.code == 401:
@@ -66,13 +67,29 @@ def server_facts(url: str, api_key: str | None = None) -> dict:
     except (urllib.error.URLError, OSError, ValueError):
         pass
     try:
-        fs = _get_json(url + "/farskip/info", api_key)
+        fs = get_json(url + "/farskip/info", api_key)
         rank = (fs.get("ranks") or [{}])[0]
         facts["farskip_mode"] = rank.get("mode")
         facts["farskip"] = rank.get("description")
+        facts["pd_role"] = (fs.get("launcher") or {}).get("pd_role")
     except (urllib.error.URLError, OSError, ValueError):
         facts["farskip_mode"] = None
+    if facts.get("pd_role") is None and facts.get("disaggregation_mode") is not None:
+        # Stock SGLang has no /farskip/info: its own flag says the same ("null": both phases).
+        facts["pd_role"] = facts["disaggregation_mode"] if facts["disaggregation_mode"] in ("prefill", "decode") else "none"
     return facts
+
+
+def layout(facts: dict) -> str:
+    """A server's parallel layout as the report names it, e.g. "TP=2, 2 nodes"."""
+    parts = [f"TP={facts.get('tp_size') or 1}"]
+    if (facts.get("ep_size") or 1) > 1:
+        parts.append(f"EP={facts['ep_size']}")
+    if facts.get("enable_dp_attention"):
+        parts.append(f"DP attention {facts.get('dp_size')}")
+    nodes = facts.get("nnodes") or 1
+    parts.append(f"{nodes} node{'s' if nodes > 1 else ''}")
+    return ", ".join(parts)
 
 
 def machine_facts() -> dict:
@@ -125,6 +142,10 @@ def warm_up(url: str, args, n: int) -> None:
 
 
 def describe_target(label: str, facts: dict) -> str:
+    if facts.get("router"):
+        from sglang_farskip.loadtest import routers  # imported here: routers builds on this module
+
+        return routers.describe(label, facts) + _speculative(facts)
     mode = facts.get("farskip_mode")
     if not mode:
         what = "not a sglang-farskip server (no /farskip/info)"

@@ -170,6 +170,20 @@ def _cpu_engine_env_first(gpu: bool) -> None:
         _setdefault_env(cpu_base_environment())
 
 
+def _metrics_dir_first() -> None:
+    """SGLang's metrics (--enable-metrics) are prometheus_client's multiprocess files, in the
+    directory PROMETHEUS_MULTIPROC_DIR names, which SGLang's engine sets when it starts; but
+    prometheus_client chooses between in-memory and file-backed values once, when it is first
+    imported. The plugins SGLang loads before that (load_plugins below) import Mooncake's
+    connector (our CPU hook on its KV sender), which imports prometheus_client: every value then
+    stayed in its process's memory and each server's /metrics answered an empty page (measured:
+    0 bytes after requests, PD or not). Naming the directory first keeps the values in files
+    there (SGLang, finding the variable set, keeps it: utils/common.py's
+    set_prometheus_multiproc_dir)."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sglang-farskip-metrics-")
+
+
 def _setdefault_env(env: dict[str, str]) -> None:
     for key, value in env.items():
         if key in os.environ and os.environ[key] != value:
@@ -416,6 +430,8 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
 
     status_dir = tempfile.mkdtemp(prefix="sglang-farskip-status-")
     os.environ[ENV_STATUS] = status_dir
+    if "--enable-metrics" in given:
+        _metrics_dir_first()
 
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.plugins import load_plugins

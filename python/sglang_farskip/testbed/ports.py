@@ -82,10 +82,3 @@ def free_port() -> int:
             return port
     raise RuntimeError(f"no free block of {PORT_STRIDE} ports in {low}-{high} on this host")
 
-
-def mooncake_ports() -> dict[str, str]:
-    """The environment that keeps one PD server's Mooncake listeners inside a block of its own.
-    Mooncake otherwise picks random ports in 15000-17000, inside the range handed out here to
-    other servers (docs/pd.md)."""
-    first = free_port()
-    return {"MC_MIN_RPC_PORT": str(first), "MC_MAX_RPC_PORT": str(first + PORT_STRIDE - 1)}

@@ -1,0 +1,140 @@
+"""The load harness (bench/run_load.py) aimed at SGLang's router in PD mode: real prefill and
+decode servers (TP=1 each, the demo model, `--enable-metrics`), the real router, real locust.
+
+What each test proves is in its name. The servers and the router start once (module fixture);
+the figures are kept tiny (a few requests of 8 tokens) so that the file takes well under two
+minutes on 2 cores, nearly all of it the servers' start.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from proxies import SSEProxy
+from sglang_farskip.loadtest import loadstats
+from sglang_farskip.testbed import pd
+from sglang_farskip.testbed.ports import free_port
+from sglang_farskip.testbed.router import Router
+from sglang_farskip.testbed.servers import run_load, side_by_side
+
+from parity import ONE_THREAD
+
+REQUESTS, MAX_TOKENS = 4, 8
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    """The PD pair, its router, and a second router whose decode worker is reached through a
+    proxy (closed by the test that needs a worker nobody can reach)."""
+    runs, bootstrap = pd.pd_runs("pd", ["--enable-metrics"], env=ONE_THREAD)
+    with side_by_side(runs, serving=pd.serving(runs)) as servers:
+        prefill, decode = servers["pd/prefill"], servers["pd/decode0"]
+        with SSEProxy(decode.port) as proxy, \
+                pd.router(servers, "pd", bootstrap) as router, \
+                Router([(prefill.url, bootstrap)], [proxy.url]) as proxied:
+            router.wait_ready()
+            proxied.wait_ready()
+            yield {"prefill": prefill, "decode": decode, "router": router, "proxy": proxy, "proxied": proxied}
+
+
+@pytest.fixture(scope="module")
+def pd_run(deployment, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pd")
+    # SGLang's native /generate: the router's own /v1/completions takes no token-id prompts.
+    r = run_load("--target", f"pd={deployment['router'].url}", "--endpoint", "generate", "--concurrency", "2",
+                 "--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), "--input-len", "16",
+                 "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr + deployment["router"].log_tail(20)
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_router_target_lists_each_worker_with_its_role(deployment, pd_run):
+    _, res = pd_run
+    facts = res["targets"]["pd"]
+    assert facts["router"] == "pd"
+    roles = {w["url"]: w["role"] for w in facts["workers"]}
+    assert roles == {deployment["prefill"].url: "prefill", deployment["decode"].url: "decode"}
+    # The roles are the servers' own (/farskip/info), each a FarSkip server in its layout.
+    assert all(w["farskip_mode"] == "overlap" and w["tp_size"] == 1 for w in facts["workers"])
+    assert facts["tokenizer_path"] and facts["model_path"]
+
+
+def test_each_figure_names_the_server_of_its_phase(deployment, pd_run):
+    out, res = pd_run
+    phases = res["targets"]["pd"]["phases"]
+    assert phases == {"ttft": [deployment["prefill"].url], "itl": [deployment["decode"].url]}
+    note = (out / "report.md").read_text().split("\n\n", 2)[1]
+    ttft = note[note.index("TTFT = prefill phase"):note.index("ITL = decode phase")]
+    itl = note[note.index("ITL = decode phase"):]
+    assert f"prefill server {deployment['prefill'].url} (FarSkip mode `overlap`, TP=1, 1 node)" in ttft
+    assert f"decode server {deployment['decode'].url} (FarSkip mode `overlap`, TP=1, 1 node)" in itl
+    assert deployment["decode"].url not in ttft and deployment["prefill"].url not in itl
+
+
+def test_each_phase_server_reports_its_own_histograms(deployment, pd_run):
+    out, res = pd_run
+    (lv,) = res["levels"]
+    assert lv["server"] is None  # the router's URL has none of its servers' metrics
+    by_role = {ps["role"]: ps for ps in lv["phase_servers"]}
+    assert {r: ps["url"] for r, ps in by_role.items()} == {"prefill": deployment["prefill"].url,
+                                                            "decode": deployment["decode"].url}
+    recs = loadstats.read_records(out / lv["records"])
+    assert len(recs) == REQUESTS and all(r["ok"] for r in recs)
+    prefill, decode = by_role["prefill"]["metrics"], by_role["decode"]["metrics"]
+    # The prefill server times each request's stay (E2E) and, in PD mode, no first token: the
+    # decode server sends it to the client.
+    assert (prefill["e2e"]["count"], prefill["ttft"]["count"], prefill["itl"]["count"]) == (REQUESTS, 0, 0)
+    # The decode server sends every token: one first token per request, and every later token
+    # is one of its steps, so its gaps are exactly the client's.
+    assert (decode["e2e"]["count"], decode["ttft"]["count"]) == (REQUESTS, REQUESTS)
+    assert decode["itl"]["count"] == sum(len(r["itl"]) for r in recs) > 0
+    md = (out / "report.md").read_text()
+    assert f"| pd | 2 | prefill | {deployment['prefill'].url} | - | - | {REQUESTS} / " in md
+    assert f"| pd | 2 | decode | {deployment['decode'].url} | {REQUESTS} / " in md
+
+
+def _wait_listening(router: Router, timeout: float = 60) -> None:
+    """Until the router answers at all (its /health says 200 with no worker registered)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(router.url + "/health", timeout=5).read()
+            return
+        except OSError:
+            assert time.monotonic() < deadline and router.proc.poll() is None, router.log_tail(20)
+            time.sleep(0.3)
+
+
+def _error_line(r) -> str:
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    return line
+
+
+def test_completions_through_the_router_name_the_endpoint_that_works(deployment, tmp_path):
+    r = run_load("--url", deployment["router"].url, "--requests", "1", "--out", str(tmp_path), timeout=60)
+    assert "pass --endpoint generate" in _error_line(r)
+
+
+def test_router_with_no_workers_is_one_clear_error(tmp_path):
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with Router(workers=[nowhere]) as router:  # the router never registers a worker it cannot reach
+        _wait_listening(router)
+        r = run_load("--url", router.url, "--requests", "1", "--out", str(tmp_path), timeout=60)
+    assert f"the router at {router.url} lists no workers" in _error_line(r)
+
+
+def test_worker_nobody_can_reach_is_one_clear_error(deployment, tmp_path):
+    proxied, proxy = deployment["proxied"], deployment["proxy"]
+    proxy.close()  # the router still lists it: it checks its workers' health once a minute
+    r = run_load("--url", proxied.url, "--endpoint", "generate", "--requests", "1", "--out", str(tmp_path),
+                 timeout=60)
+    line = _error_line(r)
+    assert f"decode worker: cannot reach the server at {proxy.url}" in line
+    assert f"the router at {proxied.url} lists it" in line
+    assert not (Path(tmp_path) / "results.json").exists()
