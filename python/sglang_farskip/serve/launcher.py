@@ -174,8 +174,9 @@ def _metrics_dir_first() -> None:
     """SGLang's metrics (--enable-metrics) are prometheus_client's multiprocess files, in the
     directory PROMETHEUS_MULTIPROC_DIR names, which SGLang's engine sets when it starts; but
     prometheus_client chooses between in-memory and file-backed values once, when it is first
-    imported. The plugins SGLang loads before that (load_plugins below) import Mooncake's
-    connector (our CPU hook on its KV sender), which imports prometheus_client: every value then
+    imported. The plugins SGLang loads before that (load_plugins below) import SGLang's KV-transfer
+    connectors (our hooks in them: cpu/pd.py on CPU, serve/kv_transfer.py everywhere), which
+    import prometheus_client: every value then
     stayed in its process's memory and each server's /metrics answered an empty page (measured:
     0 bytes after requests, PD or not). Naming the directory first keeps the values in files
     there (SGLang, finding the variable set, keeps it: utils/common.py's
