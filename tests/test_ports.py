@@ -47,3 +47,7 @@ def test_a_process_wraps_around_its_own_blocks():
     low, high = ports._port_range()
     got = [ports.free_port() for _ in range(3 * (high - low) // ports.PORT_STRIDE)]
     assert len(set(got)) <= (high - low) // ports.PORT_STRIDE
+    # ...and holds only its newest claims, so a child process it starts (a bench run by a test,
+    # under the same xdist worker's range) still gets a block of its own.
+    theirs = _other_process_takes((got[-1] - low) // ports.PORT_STRIDE)
+    assert theirs not in got[-((high - low) // ports.PORT_STRIDE // 2):]

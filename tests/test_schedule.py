@@ -231,10 +231,22 @@ class _FusedNorm(torch.nn.Module):
         return y if residual is None else (y, x)
 
 
+class _FakeSharedMLP(torch.nn.Module):
+    """Upstream's DeepseekV2MLP as far as the served forward looks: a gate_up_proj whose
+    quant method may flag the AMX backend (plain bf16/fp32 weights here: it does not)."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(h, h, bias=False)
+
+    def forward(self, y):
+        return self.gate_up_proj(y)
+
+
 class _FakeMoE(torch.nn.Module):
     def __init__(self, h):
         super().__init__()
-        self.shared_experts = torch.nn.Linear(h, h, bias=False)
+        self.shared_experts = _FakeSharedMLP(h)
         self.routed = torch.nn.Linear(h, h, bias=False)
 
     def _forward_shared_experts(self, y):

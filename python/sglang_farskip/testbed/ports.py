@@ -24,10 +24,14 @@ import socket
 # is therefore claimed with an flock on a file of its own, held until this process exits (the
 # kernel drops it then, however the process ends); another process skips claimed blocks. Seen
 # without it: a test's launcher asked /health on its new port and got a 200 from another
-# process's server there.
+# process's server there. A claim guards the window between the pick and the server's bind
+# (after that the bind check above sees the port taken), so a process keeps only its newest
+# claims, at most half its range: a pytest worker hands out hundreds of ports in a run, and
+# claiming every block for good left none for the benches its tests start as child processes
+# (CI: "no free block of 250 ports" in such a child, late in the run).
 PORT_RANGE = (10000, 21000)
 _CLAIMS = "/tmp/sglang-farskip-ports"
-_claimed: dict[int, int] = {}  # port -> open descriptor of this process's claim on its block
+_claimed: dict[int, int] = {}  # port -> open descriptor of this process's claim, oldest first
 PORT_STRIDE = 250
 _DERIVED_OFFSETS = (0, *range(1, 8), *range(233, 241))
 _next_block = [None]
@@ -57,6 +61,7 @@ def _claim(port: int) -> bool:
     """Claim `port`'s block for this process's lifetime; False if another live process holds it.
     A block this process claimed before is its own to hand out again when the range wraps."""
     if port in _claimed:
+        _claimed[port] = _claimed.pop(port)  # the newest claim again
         return True
     os.makedirs(_CLAIMS, mode=0o777, exist_ok=True)
     fd = os.open(f"{_CLAIMS}/{port}", os.O_RDWR | os.O_CREAT, 0o666)
@@ -66,6 +71,9 @@ def _claim(port: int) -> bool:
         os.close(fd)
         return False
     _claimed[port] = fd
+    low, high = _port_range()
+    while len(_claimed) > max(1, (high - low) // PORT_STRIDE // 2):
+        os.close(_claimed.pop(next(iter(_claimed))))  # closing the descriptor drops its flock
     return True
 
 
