@@ -44,8 +44,9 @@ def _why_not() -> str | None:
     return None
 
 
-# Every container test module's marks: skipped, with the reason, where no engine answers.
-SKIP = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+# Every container test module's mark: skipped, with the reason, where no engine answers.
+WHY_NOT = _why_not()
+SKIP = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 
 def report(request, line: str) -> None:

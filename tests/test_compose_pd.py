@@ -116,9 +116,10 @@ def assert_reference(got: tuple[list[int], list[float]], reference) -> float:
     return worst
 
 
-def check_farskip(info: dict, role: str, tp: int) -> None:
+def check_farskip(info: dict, role: str, tp: int, local_ranks: int) -> None:
+    """The launcher's role, and each rank's report on this node (a node serves its own ranks')."""
     assert info["launcher"]["pd_role"] == role, info["launcher"]
-    assert len(info["ranks"]) == tp, info["ranks"]
+    assert len(info["ranks"]) == local_ranks, info["ranks"]
     for rank in info["ranks"]:
         assert rank["model_class"].endswith(FARSKIP_CLASS) and rank["mode"] == "overlap", rank
         assert rank["pd_role"] == role and rank["tp_size"] == tp and rank["converted_layers"], rank
@@ -150,9 +151,9 @@ def test_pd_profile_serves_through_the_router(request, pd, reference):
 
 
 def test_pd_profile_runs_farskip_in_both_servers(pd):
-    check_farskip(pd.farskip_info("pd-prefill"), "prefill", tp=2)
+    check_farskip(pd.farskip_info("pd-prefill"), "prefill", tp=2, local_ranks=2)
     decode = pd.farskip_info("pd-decode0")
-    check_farskip(decode, "decode", tp=2)
+    check_farskip(decode, "decode", tp=2, local_ranks=1)  # rank 1 runs in pd-decode1
     assert decode["launcher"]["nnodes"] == 2
     # The KV cache came from the prefill server: the decode server computed no prefill batch.
     assert pd.log("pd-prefill").count("Prefill batch") > 0
@@ -175,7 +176,7 @@ def replicas(request, images, pd):
 
 def test_replicas_profile_serves_and_survives_a_replica(replicas, reference):
     for service in ("replica-a", "replica-b"):
-        check_farskip(replicas.farskip_info(service), "none", tp=1)
+        check_farskip(replicas.farskip_info(service), "none", tp=1, local_ranks=1)
     assert_reference(generate(replicas.url), reference)
     # One replica's container killed: the router sends its requests to the other (a refused
     # connection is retried there) and drops it within its health checks.
