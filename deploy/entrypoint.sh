@@ -426,7 +426,8 @@ PY
 fi
 export NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING
 if [[ "$FARSKIP_PLATFORM" == rocm ]]; then export GPU_MAX_HW_QUEUES; fi
-# Empty optional variables are unset rather than passed on: NCCL (and Mooncake) read "" as a value.
+# Empty optional variables are unset rather than passed on: NCCL reads "" as a value (and an
+# empty Mooncake bound is no setting at all: Mooncake gets none unless both are given).
 for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP MC_MIN_RPC_PORT MC_MAX_RPC_PORT; do
   if [[ -z "${!var:-}" ]]; then unset "$var"; fi
 done
