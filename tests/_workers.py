@@ -40,7 +40,7 @@ ALONE = {"tests/test_load_crosscheck.py"}
 
 # Longest first, from CI's time-per-file table (tests/_durations.py): seconds in one process.
 LONGEST_FIRST = [
-    "docker",  # 820: tests/test_docker.py 550, tests/test_compose_pd.py 270 (warm images)
+    "docker",  # 800: tests/test_docker.py 550, tests/test_compose_pd.py 250 (124-344 s warm, ten runs)
     "tests/test_dp_attention.py",  # 260
     "netns",  # 250
     "tests/test_parallel.py",  # 215
