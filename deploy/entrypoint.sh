@@ -25,6 +25,7 @@ FARSKIP_ENV_VARS=(
   DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING GPU_MAX_HW_QUEUES
   WATCHDOG WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES WATCHDOG_START_TIMEOUT
   WATCHDOG_RESTARTS WATCHDOG_BACKOFF
+  PD_ROLE BOOTSTRAP_PORT MC_MIN_RPC_PORT MC_MAX_RPC_PORT
   EXTRA_ARGS FARSKIP_PLATFORM FARSKIP_PYTHON FARSKIP_DRY_RUN
 )
 
@@ -83,6 +84,11 @@ esac
 # A start that never answers (stuck loading weights or capturing graphs) is ended after this:
 # above the 40 min DeepSeek-V3 may take to load (the Kubernetes startup probes allow as much).
 : "${WATCHDOG_START_TIMEOUT:=3600}"
+# Prefill/decode disaggregation (docs/pd.md): this server's role, SGLang's --disaggregation-mode
+# (none: a whole server). A prefill server listens for decode servers on BOOTSTRAP_PORT (SGLang's
+# default, written out because the router's env names the same port; deploy/router.py).
+: "${PD_ROLE:=none}"
+: "${BOOTSTRAP_PORT:=8998}"
 : "${GLOO_SOCKET_IFNAME:=${NET_IFNAME:-}}"
 : "${NCCL_SOCKET_IFNAME:=${NET_IFNAME:-}}"
 
@@ -104,11 +110,32 @@ for var in NNODES TP_SIZE EP_SIZE DIST_TIMEOUT WATCHDOG_INTERVAL WATCHDOG_TIMEOU
     err "$var=$value is not a positive integer: set $var to a whole number such as 16"
   fi
 done
-for var in MASTER_PORT HTTP_PORT; do
+for var in MASTER_PORT HTTP_PORT BOOTSTRAP_PORT; do
   if ! is_port "${!var}"; then
     err "$var=${!var} is not a TCP port: set $var to a number from 1 to 65535"
   fi
 done
+
+case "$PD_ROLE" in
+  none | prefill | decode) ;;
+  *) err "PD_ROLE=$PD_ROLE is not a role: set PD_ROLE=prefill or decode for prefill/decode disaggregation, or none" ;;
+esac
+if [[ "$PD_ROLE" == prefill ]] && is_port "$BOOTSTRAP_PORT"; then
+  for var in HTTP_PORT MASTER_PORT; do
+    if is_port "${!var}" && ((10#${!var} == 10#$BOOTSTRAP_PORT)); then
+      err "BOOTSTRAP_PORT and $var are both $BOOTSTRAP_PORT: a prefill server listens on both, give them different values"
+    fi
+  done
+fi
+# Mooncake's listeners (KV transfer in PD): unset, Mooncake picks random ports (15000-17000 seen);
+# set, they stay in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, which a firewall can then admit.
+if [[ -n "${MC_MIN_RPC_PORT:-}${MC_MAX_RPC_PORT:-}" ]]; then
+  if ! is_port "${MC_MIN_RPC_PORT:-}" || ! is_port "${MC_MAX_RPC_PORT:-}"; then
+    err "MC_MIN_RPC_PORT=${MC_MIN_RPC_PORT:-} MC_MAX_RPC_PORT=${MC_MAX_RPC_PORT:-}: set both to TCP ports (Mooncake's range, e.g. 15000 and 15999), or neither"
+  elif ((10#$MC_MIN_RPC_PORT > 10#$MC_MAX_RPC_PORT)); then
+    err "MC_MIN_RPC_PORT=$MC_MIN_RPC_PORT is above MC_MAX_RPC_PORT=$MC_MAX_RPC_PORT: set the range's low end first"
+  fi
+fi
 
 if [[ -z "${NODE_RANK:-}" ]]; then
   err "NODE_RANK is not set: set NODE_RANK=0 on the node that serves HTTP and NODE_RANK=1 on the other"
@@ -399,10 +426,12 @@ PY
 fi
 export NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING
 if [[ "$FARSKIP_PLATFORM" == rocm ]]; then export GPU_MAX_HW_QUEUES; fi
-# Empty optional variables are unset rather than passed on: NCCL reads "" as a value.
-for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP; do
+# Empty optional variables are unset rather than passed on: NCCL reads "" as a value (and an
+# empty Mooncake bound is no setting at all: Mooncake gets none unless both are given).
+for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP MC_MIN_RPC_PORT MC_MAX_RPC_PORT; do
   if [[ -z "${!var:-}" ]]; then unset "$var"; fi
 done
+if [[ -n "${MC_MIN_RPC_PORT:-}" ]]; then export MC_MIN_RPC_PORT MC_MAX_RPC_PORT; fi
 if [[ -n "${NCCL_IB_HCA:-}" ]]; then export NCCL_IB_HCA; fi
 
 # ---------------------------------------------------------------- command
@@ -418,6 +447,13 @@ cmd+=(
   --dist-timeout "$DIST_TIMEOUT"
   --host "$HTTP_HOST" --port "$HTTP_PORT"
 )
+# SGLang's own PD flags; the launcher sets up the rest (Mooncake over TCP on CPU, cpu/pd.py).
+if [[ "$PD_ROLE" != none ]]; then
+  cmd+=(--disaggregation-mode "$PD_ROLE")
+fi
+if [[ "$PD_ROLE" == prefill ]]; then
+  cmd+=(--disaggregation-bootstrap-port "$BOOTSTRAP_PORT")
+fi
 # The launcher reads the keys from FARSKIP_API_KEY and FARSKIP_ADMIN_API_KEY, gives them to
 # SGLang as --api-key/--admin-api-key in its own memory, so they never appear on a command line
 # (ps shows those to every user of the node), and removes them from the environment of every
@@ -489,6 +525,9 @@ fi
 
 {
   echo "sglang-farskip: node $NODE_RANK of $NNODES, platform $FARSKIP_PLATFORM, mode $FARSKIP_MODE, dist timeout ${DIST_TIMEOUT}s"
+  if [[ "$PD_ROLE" != none ]]; then
+    echo "sglang-farskip: prefill/decode disaggregation, role $PD_ROLE$([[ "$PD_ROLE" == prefill ]] && echo ", bootstrap port $BOOTSTRAP_PORT")"
+  fi
   if [[ "$WATCHDOG" == 1 ]]; then
     echo "sglang-farskip: watchdog on $health_url (every ${WATCHDOG_INTERVAL}s, ${WATCHDOG_FAILURES} failures in a row end the server)"
   fi

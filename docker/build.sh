@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build one of the images with the versions in docker/versions.env.
 #
-#   docker/build.sh rocm|cuda|cpu [--print] [--local-base] [extra `docker build` arguments...]
+#   docker/build.sh rocm|cuda|cpu|router [--print] [--local-base] [extra `docker build` arguments...]
 #
+# rocm, cuda, cpu: the servers' images; router: SGLang's router (docker/Dockerfile.router).
 # The image is tagged $FARSKIP_IMAGE if set, else sglang-farskip:<FARSKIP_VERSION>-<flavour>,
 # the name deploy/compose.yaml uses by default. --print shows the command instead of running it
 # (and checks nothing below).
@@ -18,8 +19,8 @@ versions="$root/docker/versions.env"
 
 flavour="${1:-}"
 case "$flavour" in
-  rocm | cuda | cpu) shift ;;
-  *) echo "usage: $0 rocm|cuda|cpu [--print] [docker build arguments...]" >&2; exit 2 ;;
+  rocm | cuda | cpu | router) shift ;;
+  *) echo "usage: $0 rocm|cuda|cpu|router [--print] [--local-base] [docker build arguments...]" >&2; exit 2 ;;
 esac
 print=0 local_base=0
 while [[ "${1:-}" == --print || "${1:-}" == --local-base ]]; do

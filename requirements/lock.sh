@@ -15,6 +15,9 @@
 #   sglang-cpu.lock   sglang (its declared deps are CUDA kernels: --no-deps) and cpu.txt, which
 #                     is already the whole set (CPU image)
 #   locust.lock       locust and what it pulls, at tools.txt's pins (the locust stand-in)
+#   pd-cpu.lock       Mooncake's CPU build (pd-cpu.txt) and what it pulls, at cpu.txt's and
+#                     tools.txt's pins (CPU image: prefill/decode disaggregation)
+#   router.lock       router.txt, already the whole set its own venv holds (router image)
 # After a change to any of those pins: run this, commit the locks, rebuild the images.
 set -euo pipefail
 UV_VERSION=0.13.9
@@ -52,3 +55,6 @@ torchvision==$torchvision"
 # cpu.txt is a freeze of everything SGLang imports on CPU: locked as it stands, no resolution.
 compile sglang-cpu.lock --no-deps < <(echo "sglang==$sglang"; grep -v '^#' "$here/cpu.txt")
 compile locust.lock -c "$here/tools.txt" -c "$here/cpu.txt" <<<"$locust"
+compile pd-cpu.lock -c "$here/cpu.txt" -c "$here/tools.txt" < <(grep -v '^#' "$here/pd-cpu.txt")
+# router.txt is a freeze of the router's own venv (scripts/router-env.sh): locked as it stands.
+compile router.lock --no-deps < <(grep -v '^#' "$here/router.txt")

@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import pytest
 
-# Files that share host-wide resources: one worker, one file after another.
+# Files that share host-wide resources: one worker, one file after another. "docker": the
+# container stacks of test_docker.py and test_compose_pd.py: each takes both cores while it
+# starts (up to four ranks compiling), test_docker.py's self-healing bounds assume no other
+# stack beside it, and its fixed 172.30.x subnet could meet a network Docker hands another.
 SHARED = {
     "tests/test_deploy_two_nodes.py": "netns",
     "tests/test_firewall.py": "netns",
     "tests/test_watchdog.py": "netns",
+    "tests/test_docker.py": "docker",
+    "tests/test_compose_pd.py": "docker",
 }
 
 # Run last, one at a time, while every other worker is idle.
@@ -35,7 +40,7 @@ ALONE = {"tests/test_load_crosscheck.py"}
 
 # Longest first, from CI's time-per-file table (tests/_durations.py): seconds in one process.
 LONGEST_FIRST = [
-    "tests/test_docker.py",  # 550
+    "docker",  # 800: tests/test_docker.py 550, tests/test_compose_pd.py 250 (124-344 s warm, ten runs)
     "tests/test_dp_attention.py",  # 260
     "netns",  # 250
     "tests/test_parallel.py",  # 215

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 VERSIONS = DOCKER / "versions.env"
 CPU_IMAGE = "sglang-farskip-test:cpu"
+ROUTER_IMAGE = "sglang-farskip-test:router"
 TORCH_SGLANG_IMAGE = "farskip-standin/torch-sglang:test"
 BUILD_TIMEOUT_S = 1800  # the cold CPU build downloads ~4 GB of torch; measured ~5-8 min here
 LOCK = Path(tempfile.gettempdir()) / "sglang-farskip-test-images.lock"
@@ -52,8 +53,9 @@ def build(flavour: str, image: str, *args: str) -> float:
 
 
 def ensure_images(report=print) -> dict[str, str]:
-    """The stand-in Python base, the CPU image and its torch-sglang stage (the GPU stand-ins'
-    base); `report` gets one line per step with its time (near 0 s when cached)."""
+    """The stand-in Python base, the CPU image, its torch-sglang stage (the GPU stand-ins'
+    base) and the router image; `report` gets one line per step with its time (near 0 s when
+    cached)."""
     with open(LOCK, "a+") as lock:
         start = time.monotonic()
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -67,7 +69,9 @@ def ensure_images(report=print) -> dict[str, str]:
         report(f"docker/build.sh cpu ({CPU_IMAGE}): {seconds:.0f} s")
         seconds = build("cpu", TORCH_SGLANG_IMAGE, *standin, "--target", "torch-sglang")
         report(f"torch-sglang stage ({TORCH_SGLANG_IMAGE}): {seconds:.0f} s")
-    return {"base": base, "cpu": CPU_IMAGE, "torch-sglang": TORCH_SGLANG_IMAGE,
+        seconds = build("router", ROUTER_IMAGE, *standin)
+        report(f"docker/build.sh router ({ROUTER_IMAGE}): {seconds:.0f} s")
+    return {"base": base, "cpu": CPU_IMAGE, "torch-sglang": TORCH_SGLANG_IMAGE, "router": ROUTER_IMAGE,
             "sglang": versions()["SGLANG_VERSION"]}
 
 

@@ -40,26 +40,21 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from docker_images import BUILD_TIMEOUT_S, VERSIONS, build, ensure_images, sh
+from containers import DEPLOY, NEW_TOKENS, PREFIX, PROMPT, PROMPT_IDS, ROOT, SKIP, Project, http, report, state
+from containers import images  # noqa: F401 (a fixture)
+from docker_images import BUILD_TIMEOUT_S, build, sh
 from sglang_farskip.testbed.servers import Server, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
-DEPLOY = ROOT / "deploy"
-COMPOSE = DEPLOY / "compose.yaml"
 ONE_HOST = Path(__file__).resolve().parent / "compose.one-host.yaml"
-PREFIX = "farskip-test"  # compose projects and networks made here
 LOCUST_IMAGE = "farskip-standin/locust:test"
 
 HEALTHY_TIMEOUT_S = 300  # a CPU start is ~1 min; health is polled every 15 s (compose.yaml)
@@ -74,44 +69,16 @@ WATCHDOG = {"WATCHDOG_INTERVAL": "5", "WATCHDOG_TIMEOUT": "25", "WATCHDOG_FAILUR
 SOAK_S, SOAK_FAULT_AT_S = 160, 15
 DIST_TIMEOUT = "60"  # the nodes' collective timeout here; the deployed default is 300 s
 API_KEY = "farskip-test-key"
-NEW_TOKENS = 8
-PROMPT = "The capital of France is"
-PROMPT_IDS = [0, 17, 1234, 77, 3001, 5, 999, 42]
 FLOAT32 = "--dtype float32"
 # The flags deploy/entrypoint.sh gives a one-node demo (tests/test_deploy_static.py checks them).
 DEMO_FLAGS = ["--farskip-mode", "overlap", "--tp-size", "1", "--ep-size", "1",
               "--moe-a2a-backend", "none", "--nnodes", "1", "--node-rank", "0", "--dtype", "float32"]
 
 
-def _why_not() -> str | None:
-    if not shutil.which("docker"):
-        return "no docker CLI (install Docker Engine; .ci/run does on CI)"
-    try:
-        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
-                              capture_output=True, text=True, timeout=20)
-    except subprocess.TimeoutExpired:
-        return "the Docker engine does not answer (docker info timed out)"
-    if info.returncode != 0:
-        last = (info.stderr.strip().splitlines() or ["docker info failed"])[-1]
-        return f"no Docker engine reachable ({last}); .ci/run starts one on CI"
-    if os.geteuid() != 0 or not shutil.which("debootstrap"):
-        return "the stand-in base image needs root and debootstrap (apt-get install debootstrap)"
-    return None
-
-
-pytestmark = [pytest.mark.skipif(_why_not() is not None, reason=str(_why_not())),
-              pytest.mark.timeout(3600)]
+pytestmark = [SKIP, pytest.mark.timeout(3600)]
 
 
 # ------------------------------------------------------------------ helpers
-def report(request, line: str) -> None:
-    """One line in the run's summary (the numbers the README quotes): tests/_durations.py
-    prints each test's "measured" properties at the end, from whichever worker ran it."""
-    # A module-scoped fixture's request names the module; its `_pyfuncitem` is the test being set up.
-    item = getattr(request, "_pyfuncitem", request.node)
-    item.user_properties.append(("measured", f"[docker] {line}"))
-
-
 def docker_build(dockerfile: Path, image: str, *build_args: str,
                  context: Path | None = None) -> subprocess.CompletedProcess:
     """A stand-in: a Dockerfile that copies nothing goes on stdin with no context; one that
@@ -125,54 +92,6 @@ def docker_build(dockerfile: Path, image: str, *build_args: str,
                           env={**os.environ, "DOCKER_BUILDKIT": "0"})
 
 
-def compose_tool() -> str:
-    here = Path(sys.executable).parent / "docker-compose"
-    found = str(here) if here.exists() else shutil.which("docker-compose")
-    if not found:
-        pytest.fail("docker-compose is not installed: run scripts/bootstrap.sh (requirements/tools.txt)")
-    return found
-
-
-class Project:
-    """One `docker compose -p NAME` of the shipped compose file; `down` at the end, always."""
-
-    def __init__(self, name: str, env: dict[str, str], env_files: tuple[Path, ...] = (),
-                 files: tuple[Path, ...] = (), profiles: tuple[str, ...] = ()):
-        self.name = f"{PREFIX}-{name}"
-        self.env = env
-        self.args = [compose_tool(), "-p", self.name, "-f", str(COMPOSE)]
-        for f in files:
-            self.args += ["-f", str(f)]
-        for f in (VERSIONS, *env_files):
-            self.args += ["--env-file", str(f)]
-        for profile in profiles:  # every command: compose ignores services of other profiles
-            self.args += ["--profile", profile]
-
-    def run(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-        return sh([*self.args, *args], timeout=timeout, env=self.env, check=check)
-
-    def container(self, service: str) -> str:
-        cid = self.run("ps", "-a", "-q", service).stdout.strip()
-        assert cid, f"{self.name}: no container for {service}"
-        return cid
-
-    def logs(self) -> str:
-        proc = self.run("logs", "--no-color", "--tail", "80", check=False)
-        return "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
-                         if "warnings.warn" not in line)
-
-    def down(self) -> None:
-        self.run("down", "--timeout", "5", "--volumes", check=False, timeout=180)
-
-    def leftovers(self) -> str:
-        return sh(["docker", "ps", "-a", "-q", "--filter",
-                   f"label=com.docker.compose.project={self.name}"]).stdout.strip()
-
-
-def state(cid: str) -> dict:
-    return json.loads(sh(["docker", "inspect", "--format", "{{json .State}}", cid]).stdout)
-
-
 def wait_healthy(project: Project, service: str, timeout: float = HEALTHY_TIMEOUT_S) -> float:
     cid = project.container(service)
     start = time.monotonic()
@@ -184,20 +103,6 @@ def wait_healthy(project: Project, service: str, timeout: float = HEALTHY_TIMEOU
             return time.monotonic() - start
         time.sleep(2)
     raise AssertionError(f"{service} not healthy after {timeout} s:\n{project.logs()}")
-
-
-def http(url: str, payload: dict | None = None, key: str | None = None,
-         timeout: float = 120) -> tuple[int, bytes]:
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    data = json.dumps(payload).encode() if payload is not None else None
-    req = urllib.request.Request(url, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def streamed_completion(base: str, key: str | None = None) -> str:
@@ -220,13 +125,6 @@ def greedy_ids(base: str, key: str | None = None, timeout: float = 120) -> list[
     status, raw = http(base + "/generate", body, key, timeout=timeout)
     assert status == 200, raw[:500]
     return [p[1] for p in json.loads(raw)["meta_info"]["output_token_logprobs"]]
-
-
-# ------------------------------------------------------------------ images
-@pytest.fixture(scope="module")
-def images(request) -> dict[str, str]:
-    """Every image the tests run, built (or found in the cache) once; see docker_images.py."""
-    return ensure_images(lambda line: report(request, line))
 
 
 # ------------------------------------------------------------------ CPU demo + load test

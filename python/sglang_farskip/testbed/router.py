@@ -11,6 +11,7 @@ router's `/health` answers 200 before it has registered a worker, and a request 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -33,25 +34,22 @@ def router_python() -> Path:
     return ROUTER_PYTHON
 
 
-# Plain mode over replicas: a dead worker dropped within seconds, a live one never. Why each
-# (measured with tests/test_replicas.py; docs/pd.md, "Replicas behind the router"):
-REPLICA_FLAGS = [
-    # Our servers' /health is a status read (serve/launcher.py, SERVER_ENVIRONMENT), so asking
-    # every 2 s costs nothing; the default, 60 s, left a dead worker in rotation for minutes.
-    "--health-check-interval-secs", "2",
-    # Generous: a live server's /health on two busy cores answered in well under a second, and
-    # a check that times out on a live worker is how the probe's live worker flapped.
-    "--health-check-timeout-secs", "5",
-    "--health-failure-threshold", "2",
-    # A request whose worker refused, reset or timed out is sent to the other one (retries are
-    # the router's default; said here so that the setting is one place).
-    "--retry-max-retries", "5",
-    # A hung worker accepts connections and never answers: without a bound the request waits
-    # out the router's default 1800 s. It bounds every request, so a deployment sets it above
-    # its longest one (docs/pd.md); here requests are 4 tokens on CPU (well under 1 s), and a
-    # client of the tests waits 60 s.
-    "--request-timeout-secs", "20",
-]
+def _deploy_router():
+    """deploy/router.py, the router image's entrypoint (standard library only), as a module."""
+    spec = importlib.util.spec_from_file_location("farskip_deploy_router", REPO / "deploy" / "router.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Plain mode over replicas: a dead worker dropped within seconds, a live one never. The flags
+# and their reasons live in deploy/router-replicas.args, which the router image reads too
+# (deploy/router.py); only the request timeout is the tests' own. It bounds every request, so a
+# deployment sets it above its longest one (ROUTER_REQUEST_TIMEOUT, docs/pd.md); here requests
+# are 4 tokens on CPU (well under 1 s), and a client of the tests waits 60 s: a request sent to
+# a hung replica is re-sent after 20 s.
+TEST_REQUEST_TIMEOUT_S = 20
+REPLICA_FLAGS = [*_deploy_router().replica_args(), "--request-timeout-secs", str(TEST_REQUEST_TIMEOUT_S)]
 
 
 class Router(HttpProcess):

@@ -1,0 +1,179 @@
+"""SGLang's router in front of sglang-farskip servers: the router image's entrypoint.
+
+    router.py [--check]      check the environment, start the router (--check: print its flags)
+    router.py --healthcheck  exit 0 once every worker given is registered and healthy
+
+It reads the environment (docs/deploy.md, "Variables read by deploy/router.py"), prints one
+`error:` line per problem (exit 2), and starts `sglang_router.launch_router` in this process:
+- PD mode when PREFILL_URLS and DECODE_URLS are set (each prefill server's bootstrap port is
+  BOOTSTRAP_PORT, the variable the prefill server's entrypoint reads);
+- plain mode over replicas when WORKER_URLS is set, with the flags of router-replicas.args
+  beside this file (the tests read the same file).
+The API key: the router's --api-key is both what clients must send it (401 without) and what it
+sends the workers, so it is the workers' API_KEY, and it is given to the router in memory, never
+on a command line. --healthcheck asks GET /workers, not /health: in PD mode /health answers 200
+before any worker is registered. Standard library only (it runs in the router's own Python).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROUTER_VARS = ("ROUTER_HOST", "ROUTER_PORT", "WORKER_URLS", "PREFILL_URLS", "DECODE_URLS",
+               "BOOTSTRAP_PORT", "ROUTER_REQUEST_TIMEOUT", "API_KEY", "API_KEY_FILE",
+               "FARSKIP_ALLOW_NO_API_KEY", "ROUTER_EXTRA_ARGS")
+DEFAULTS = {
+    "ROUTER_HOST": "0.0.0.0",
+    "ROUTER_PORT": "8000",
+    # SGLang's own default (--disaggregation-bootstrap-port), as the entrypoint's.
+    "BOOTSTRAP_PORT": "8998",
+    # Bounds every request, streaming ones included: a request to a hung worker is re-sent after
+    # it, and one that legitimately takes longer is cut. Above the longest request (time to
+    # first token + max_tokens x inter-token latency: 4000 tokens at 50 ms are 200 s).
+    "ROUTER_REQUEST_TIMEOUT": "600",
+    "FARSKIP_ALLOW_NO_API_KEY": "0",
+}
+REPLICA_ARGS = Path(__file__).resolve().with_name("router-replicas.args")
+URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}$")
+
+
+def replica_args(path: Path = REPLICA_ARGS) -> list[str]:
+    """The flags of router-replicas.args, in order."""
+    return [word for line in path.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#") for word in line.split()]
+
+
+def setting(name: str) -> str:
+    """The variable, or its default; empty counts as unset (compose passes unset ones empty)."""
+    return os.environ.get(name) or DEFAULTS.get(name, "")
+
+
+def urls(name: str) -> list[str]:
+    return [u for u in re.split(r"[\s,]+", setting(name)) if u]
+
+
+def read_key(errors: list[str]) -> str:
+    key, path = os.environ.get("API_KEY", ""), os.environ.get("API_KEY_FILE", "")
+    if key and path:
+        errors.append("API_KEY and API_KEY_FILE are both set: keep one (the file, for a Docker or Kubernetes secret)")
+    elif path:
+        try:
+            key = Path(path).read_text().strip()
+        except OSError:
+            errors.append(f"API_KEY_FILE={path} is not a readable file: mount the secret there, or unset API_KEY_FILE")
+            return ""
+        if not key:
+            errors.append(f"API_KEY_FILE={path} is empty: write the key into it")
+    return key
+
+
+def check() -> tuple[list[str], str, list[str]]:
+    """(the router's flags, the API key, the errors)."""
+    errors: list[str] = []
+    for name in ("ROUTER_PORT", "BOOTSTRAP_PORT"):
+        value = setting(name)
+        if not value.isdigit() or not 1 <= int(value) <= 65535:
+            errors.append(f"{name}={value} is not a TCP port: set {name} to a number from 1 to 65535")
+    timeout = setting("ROUTER_REQUEST_TIMEOUT")
+    if not timeout.isdigit() or int(timeout) < 1:
+        errors.append(f"ROUTER_REQUEST_TIMEOUT={timeout} is not a positive number of seconds: set it "
+                      "above your longest request (time to first token + max_tokens x inter-token latency)")
+    workers, prefill, decode = urls("WORKER_URLS"), urls("PREFILL_URLS"), urls("DECODE_URLS")
+    if workers and (prefill or decode):
+        errors.append("WORKER_URLS and PREFILL_URLS/DECODE_URLS are both set: set WORKER_URLS for replicas, "
+                      "or PREFILL_URLS and DECODE_URLS for prefill/decode disaggregation, not both")
+    elif not workers and not (prefill and decode):
+        errors.append("no workers: set WORKER_URLS (replicas, plain mode) or both PREFILL_URLS and DECODE_URLS "
+                      "(prefill/decode disaggregation), e.g. PREFILL_URLS=http://10.0.0.1:30000")
+    for name in ("WORKER_URLS", "PREFILL_URLS", "DECODE_URLS"):
+        bad = [u for u in urls(name) if not URL.match(u)]
+        if bad:
+            errors.append(f"{name}: {' '.join(bad)} is not http://HOST:PORT: give each server's HTTP "
+                          "address as the router reaches it, comma-separated")
+    allow = setting("FARSKIP_ALLOW_NO_API_KEY")
+    if allow not in ("0", "1"):
+        errors.append(f"FARSKIP_ALLOW_NO_API_KEY={allow} is not 0 or 1: set it to 1 only to serve without API_KEY beyond loopback")
+    before = len(errors)
+    key = read_key(errors)
+    host = setting("ROUTER_HOST")
+    loopback = host.startswith("127.") or host in ("::1", "localhost")
+    # Anyone who reaches the router's port could use every server behind it: beyond loopback, a
+    # key or an explicit yes (the entrypoint's rule for the servers).
+    if not key and not loopback and allow != "1" and len(errors) == before:
+        errors.append(f"API_KEY is not set and the router would listen on ROUTER_HOST={host}: set API_KEY or "
+                      "API_KEY_FILE (the servers' key; clients send 'Authorization: Bearer <key>'), or set "
+                      "FARSKIP_ALLOW_NO_API_KEY=1 to serve without a key, or ROUTER_HOST=127.0.0.1")
+    extra = shlex.split(setting("ROUTER_EXTRA_ARGS"))
+    if any(a.startswith(("--api-key", "--control-plane-api-keys")) for a in extra):
+        errors.append("ROUTER_EXTRA_ARGS holds an API key flag, which shows on the command line: set API_KEY "
+                      "(or API_KEY_FILE) instead")
+
+    flags = ["--host", host, "--port", setting("ROUTER_PORT"),
+             # Its metrics listener (29000) stays on loopback: it is not the public port.
+             "--prometheus-host", "127.0.0.1"]
+    if workers:
+        flags += ["--worker-urls", *workers, *replica_args()]
+    else:
+        flags.append("--pd-disaggregation")
+        for url in prefill:
+            flags += ["--prefill", url, setting("BOOTSTRAP_PORT")]
+        for url in decode:
+            flags += ["--decode", url]
+    flags += ["--request-timeout-secs", timeout, *extra]
+    return flags, key, errors
+
+
+def healthcheck() -> int:
+    """0 when /workers lists every worker given, each healthy."""
+    errors: list[str] = []
+    key = read_key(errors)
+    expected = len(urls("WORKER_URLS")) + len(urls("PREFILL_URLS")) + len(urls("DECODE_URLS"))
+    req = urllib.request.Request(f"http://127.0.0.1:{setting('ROUTER_PORT')}/workers",
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=8) as r:
+            workers = json.loads(r.read())["workers"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"router /workers: {e}", file=sys.stderr)
+        return 1
+    healthy = sum(1 for w in workers if w.get("is_healthy"))
+    if healthy < expected:
+        print(f"router: {healthy} of {expected} workers registered and healthy", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--healthcheck"]:
+        return healthcheck()
+    if argv and argv != ["--check"]:
+        print(f"usage: router.py [--check | --healthcheck] (reads {' '.join(ROUTER_VARS)})", file=sys.stderr)
+        return 2
+    flags, key, errors = check()
+    if errors:
+        print("\n".join(f"error: {e}" for e in errors), file=sys.stderr)
+        return 2
+    print("sglang-farskip router: " + shlex.join(flags) + (" (API key set, not shown)" if key else ""),
+          file=sys.stderr, flush=True)
+    if argv == ["--check"]:
+        print(shlex.join(flags))
+        return 0
+    for name in ("API_KEY", "API_KEY_FILE"):  # nothing the router starts needs them
+        os.environ.pop(name, None)
+    from sglang_router.launch_router import launch_router, parse_router_args
+
+    args = parse_router_args(flags)
+    args.api_key = key or None
+    launch_router(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
