@@ -11,18 +11,19 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 python="${PYTHON:-python3}"
 
-# Mooncake's engine (requirements/pd-cpu.txt) links these two Debian libraries even for its TCP
+# Mooncake's engine links the Debian libraries in requirements/pd-cpu.debs even for its TCP
 # transport; without them every PD server fails at its first import. Checked on every run (the
 # stamp below does not know the system). .ci/run installs them as root.
 ldconfig="$(command -v ldconfig || echo /sbin/ldconfig)"  # /sbin is not on every user's PATH
 libs="$("$ldconfig" -p)"
-missing=()
-for lib in libibverbs.so.1 libnl-route-3.so.200; do
-  grep -q "$lib" <<<"$libs" || missing+=("$lib")
-done
+missing=() packages=()
+while read -r package lib; do
+  [[ -z "$package" || "$package" == \#* ]] && continue
+  grep -q "$lib" <<<"$libs" || { missing+=("$lib"); packages+=("$package"); }
+done <"$root/requirements/pd-cpu.debs"
 if ((${#missing[@]})); then
   echo "error: ${missing[*]} not found (Mooncake's transfer engine, used for PD disaggregation, links" \
-    "them): run \`apt-get install libibverbs1 libnl-route-3-200\` as root, then this again" >&2
+    "them): run \`apt-get install ${packages[*]}\` as root, then this again" >&2
   exit 2
 fi
 
