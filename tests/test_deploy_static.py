@@ -521,6 +521,12 @@ def k8s_docs() -> list[tuple[Path, dict]]:
     return [(f, d) for f in K8S_FILES for d in yaml.safe_load_all(f.read_text()) if d]
 
 
+def k8s_object(kind: str, name: str) -> dict:
+    """The one object of this kind and name in deploy/k8s/."""
+    (doc,) = [d for _, d in k8s_docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
 def lws_docs() -> list[tuple[Path, dict]]:
     return [(f, d) for f, d in k8s_docs() if d["kind"] == "LeaderWorkerSet"]
 
@@ -581,6 +587,14 @@ def test_host_firewall_sets_every_define_of_the_ruleset():
     assert spec["hostNetwork"] is True  # the node's own network namespace
 
 
+def test_no_service_takes_the_name_of_a_leaderworkerset():
+    """The LWS controller makes a headless Service named after each LeaderWorkerSet, unless a
+    Service of that name exists; only a headless one gives the pods the DNS names the entrypoint
+    resolves (LWS_LEADER_ADDRESS, the worker's), so ours must be named otherwise."""
+    services = {d["metadata"]["name"] for _, d in k8s_docs() if d["kind"] == "Service"}
+    assert services and not services & {d["metadata"]["name"] for _, d in lws_docs()}
+
+
 def test_k8s_validator_rejects_a_broken_service(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {portz: []}\n")
@@ -620,8 +634,10 @@ def test_leaderworkerset_validation_rejects_broken_manifests(breakage):
 def test_leaderworkerset_matches_the_other_launchers(path):
     (doc,) = [d for f, d in lws_docs() if f.name == path]
     platform = re.fullmatch(r"lws-(rocm|cuda)\.yaml", path)[1]
-    (configmap,) = [d for _, d in k8s_docs() if d["kind"] == "ConfigMap"]
-    (service,) = [d for _, d in k8s_docs() if d["kind"] == "Service"]
+    configmap = k8s_object("ConfigMap", "sglang-farskip")
+    # The clients' Service: the one whose selector picks this LeaderWorkerSet's leader.
+    (service,) = [d for _, d in k8s_docs() if d["kind"] == "Service"
+                  and d["spec"]["selector"].get("leaderworkerset.sigs.k8s.io/name") == doc["metadata"]["name"]]
     settings = configmap["data"]
     assert set(settings) <= set(entrypoint_vars())
     lwt = doc["spec"]["leaderWorkerTemplate"]
