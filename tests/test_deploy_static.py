@@ -518,7 +518,13 @@ def test_versions_file_matches_the_project_pins():
 
 # ---------------------------------------------------------------- Kubernetes
 def k8s_docs() -> list[tuple[Path, dict]]:
-    return [(f, d) for f in K8S_FILES for d in yaml.safe_load_all(f.read_text()) if d]
+    """Every object of deploy/k8s/, the items of a v1 List one by one (kubectl applies them so)."""
+    docs = [(f, d) for f in K8S_FILES for d in yaml.safe_load_all(f.read_text()) if d]
+    return [(f, i) for f, d in docs for i in (d["items"] if d["kind"] == "List" else [d])]
+
+
+def k8s_lists() -> list[tuple[Path, dict]]:
+    return [(f, d) for f in K8S_FILES for d in yaml.safe_load_all(f.read_text()) if d and d["kind"] == "List"]
 
 
 def k8s_object(kind: str, name: str) -> dict:
@@ -557,10 +563,10 @@ def test_k8s_builtin_kinds_validate(version):
 
 def test_network_policy_admits_everything_from_the_group_and_only_http_from_clients():
     # The allowlist of deploy/firewall.nft (tests/test_firewall.py loads that one for real).
-    (policy,) = [d for _, d in k8s_docs() if d["kind"] == "NetworkPolicy"]
-    (configmap,) = [d for _, d in k8s_docs() if d["kind"] == "ConfigMap"]
-    http = int(configmap["data"]["HTTP_PORT"])
-    group = {"leaderworkerset.sigs.k8s.io/name": lws_docs()[0][1]["metadata"]["name"]}
+    policy = k8s_object("NetworkPolicy", "sglang-farskip")
+    http = int(k8s_object("ConfigMap", "sglang-farskip")["data"]["HTTP_PORT"])
+    (name,) = {d["metadata"]["name"] for f, d in lws_docs() if f.name.startswith("lws-")}
+    group = {"leaderworkerset.sigs.k8s.io/name": name}
     assert policy["spec"]["podSelector"]["matchLabels"] == group
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     peers, clients = policy["spec"]["ingress"]
@@ -581,7 +587,7 @@ def test_host_firewall_sets_every_define_of_the_ruleset():
     defines = re.findall(r"^define (\w+) = ", (DEPLOY / "firewall.nft").read_text(), re.M)
     assert [e["name"] for e in container["env"]] == defines
     assert all(name in container["command"][2] for name in defines)
-    (configmap, http) = ([d for _, d in k8s_docs() if d["kind"] == "ConfigMap"][0],
+    (configmap, http) = (k8s_object("ConfigMap", "sglang-farskip"),
                          {e["name"]: e["value"] for e in container["env"]}["HTTP_PORT"])
     assert http == configmap["data"]["HTTP_PORT"]
     assert spec["hostNetwork"] is True  # the node's own network namespace
@@ -602,10 +608,23 @@ def test_k8s_validator_rejects_a_broken_service(tmp_path):
     assert proc.returncode != 0 and "portz" in proc.stdout
 
 
-@pytest.mark.parametrize("path", [f.name for f, _ in lws_docs()])
-def test_leaderworkerset_validates(path):
-    (doc,) = [d for f, d in lws_docs() if f.name == path]
+def lws_id(path: Path, doc: dict) -> str:
+    return f"{path.name}:{doc['metadata']['name']}"
+
+
+@pytest.mark.parametrize("which", [lws_id(f, d) for f, d in lws_docs()])
+def test_leaderworkerset_validates(which):
+    (doc,) = [d for f, d in lws_docs() if lws_id(f, d) == which]
     validate_lws(doc)
+
+
+def test_k8s_lists_hold_only_leaderworkersets():
+    """kubernetes-validate skips a v1 List: only LeaderWorkerSets, which validate_lws checks, may
+    be in one (the built-in kinds stay plain documents, which it validates)."""
+    assert k8s_lists(), "deploy/k8s/pd-cuda.yaml's LeaderWorkerSets are a List"
+    for path, lst in k8s_lists():
+        assert set(lst) == {"apiVersion", "kind", "items"} and lst["apiVersion"] == "v1", path
+        assert {i["kind"] for i in lst["items"]} == {"LeaderWorkerSet"}, path
 
 
 @pytest.mark.parametrize("breakage", ["unknown spec key", "size as string", "bad restart policy",
@@ -614,7 +633,8 @@ def test_leaderworkerset_validation_rejects_broken_manifests(breakage):
     import jsonschema
     import kubernetes_validate
 
-    doc = copy.deepcopy(lws_docs()[0][1])
+    (doc,) = [d for f, d in lws_docs() if f.name == "lws-cuda.yaml"]
+    doc = copy.deepcopy(doc)
     lwt = doc["spec"]["leaderWorkerTemplate"]
     if breakage == "unknown spec key":
         doc["spec"]["groupSize"] = 2
@@ -630,7 +650,7 @@ def test_leaderworkerset_validation_rejects_broken_manifests(breakage):
         validate_lws(doc)
 
 
-@pytest.mark.parametrize("path", [f.name for f, _ in lws_docs()])
+@pytest.mark.parametrize("path", [f.name for f, _ in lws_docs() if f.name.startswith("lws-")])
 def test_leaderworkerset_matches_the_other_launchers(path):
     (doc,) = [d for f, d in lws_docs() if f.name == path]
     platform = re.fullmatch(r"lws-(rocm|cuda)\.yaml", path)[1]
@@ -667,12 +687,147 @@ def test_leaderworkerset_matches_the_other_launchers(path):
     assert worker["livenessProbe"]["failureThreshold"] == 3
 
 
+def pod_template(doc: dict) -> dict:
+    """The template of a LeaderWorkerSet's leader (its worker template when it has no leader
+    template, as LWS does), or of a Deployment's pods."""
+    if doc["kind"] == "LeaderWorkerSet":
+        lwt = doc["spec"]["leaderWorkerTemplate"]
+        return lwt.get("leaderTemplate", lwt["workerTemplate"])
+    return doc["spec"]["template"]
+
+
+def container_env(template: dict) -> dict[str, str]:
+    """The environment Kubernetes gives the template's one container, from the objects of
+    deploy/k8s/: envFrom's ConfigMaps in order, then env (later wins), $(NAME) expanded, a
+    fieldRef to the template's annotations or labels (empty when missing, as the kubelet gives
+    it). Secrets are not in these files: their keys are left out, the caller adds a key."""
+    (container,) = template["spec"]["containers"]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(k8s_object("ConfigMap", source["configMapRef"]["name"])["data"])
+    for var in container.get("env", []):
+        ref = var.get("valueFrom", {})
+        if "value" in var:
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), var["value"])
+        elif "configMapKeyRef" in ref:
+            key = ref["configMapKeyRef"]
+            env[var["name"]] = k8s_object("ConfigMap", key["name"])["data"][key["key"]]
+        elif "fieldRef" in ref:
+            m = re.fullmatch(r"metadata\.(annotations|labels)\['([^']+)'\]", ref["fieldRef"]["fieldPath"])
+            assert m, ref
+            env[var["name"]] = template.get("metadata", {}).get(m[1], {}).get(m[2], "")
+        else:
+            assert set(ref) == {"secretKeyRef"}, ref
+    return env
+
+
+def pd_lws(role: str) -> dict:
+    """The LeaderWorkerSet whose pods have PD_ROLE=role."""
+    found = [d for _, d in lws_docs() if container_env(pod_template(d)).get("PD_ROLE") == role]
+    assert len(found) == 1, f"{len(found)} LeaderWorkerSets whose pods get PD_ROLE={role}, not 1"
+    return found[0]
+
+
+def pd_leader_command(doc: dict, model: Path) -> list[str]:
+    """The server command the LeaderWorkerSet's leader runs: its own command line, with its
+    environment (the node's own settings and the keys replaced by this machine's), run through
+    the entrypoint in dry-run mode."""
+    template = pod_template(doc)
+    (container,) = template["spec"]["containers"]
+    env = {**container_env(template), "PATH": os.environ["PATH"], "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+           "FARSKIP_PYTHON": sys.executable, "FARSKIP_PLATFORM": "cuda", "FARSKIP_DRY_RUN": "1",
+           "MODEL_PATH": str(model), "NET_IFNAME": "lo", "API_KEY": TEST_API_KEY,
+           "LWS_WORKER_INDEX": "0", "LWS_GROUP_SIZE": str(doc["spec"]["leaderWorkerTemplate"]["size"]),
+           "LWS_LEADER_ADDRESS": "127.0.0.1", "WORKER_ADDRS": "127.0.0.1"}
+    script = container["command"][2].replace(IMAGE_ENTRYPOINT, str(ENTRYPOINT))
+    return command_of(run(["bash", "-c", script], env=env, timeout=30))
+
+
+def test_k8s_pd_servers_run_the_papers_layouts(model):
+    """Prefill TP8/EP8 on one node, decode TP16/EP16 on two, each pod through the entrypoint on
+    host networking with 8 GPUs and the RDMA devices, probed like the two-node deployment."""
+    for role, size, tp in (("prefill", 1, "8"), ("decode", 2, "16")):
+        doc = pd_lws(role)
+        lwt = doc["spec"]["leaderWorkerTemplate"]
+        assert lwt["size"] == size and lwt["restartPolicy"] == "None" and doc["spec"]["replicas"] == 1
+        argv = pd_leader_command(doc, model)
+        assert (flag(argv, "--nnodes"), flag(argv, "--tp-size"), flag(argv, "--ep-size")) == (str(size), tp, tp)
+        assert flag(argv, "--disaggregation-mode") == role
+        spec = lwt["workerTemplate"]["spec"]
+        (container,) = spec["containers"]
+        assert spec["hostNetwork"] is True and container["image"].endswith(f":{versions()['FARSKIP_VERSION']}-cuda")
+        assert container["command"][2].endswith(f"exec {IMAGE_ENTRYPOINT}")
+        limits = container["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 8 and any("rdma" in k for k in limits), limits
+        for probe in ("startupProbe", "livenessProbe"):
+            assert container[probe]["exec"]["command"][2].endswith("healthcheck.sh --deployment")
+    assert pd_lws("decode")["spec"]["startupPolicy"] == "LeaderCreated"
+
+
+def test_k8s_router_finds_the_pd_servers(model):
+    """The router's --prefill is the prefill leader's DNS name (from the LWS controller's
+    headless Service, <name>-0.<name>), at its HTTP port, with the bootstrap port it listens
+    on; its --decode the decode leader's."""
+    prefill, decode = pd_lws("prefill"), pd_lws("decode")
+    router_env = {**container_env(pod_template(k8s_object("Deployment", "sglang-farskip-router"))),
+                  "API_KEY": TEST_API_KEY}
+    assert_pd_wiring(router_env, pd_leader_command(prefill, model), pd_leader_command(decode, model),
+                     *(f"{d['metadata']['name']}-0.{d['metadata']['name']}" for d in (prefill, decode)))
+
+
+def test_k8s_router_deployment():
+    """Ready on the router's /workers (as compose's healthcheck), alive on /health; one port
+    across the env, the container, the Service and the NetworkPolicy; the servers' API_KEY from
+    the Secret, and no admin key."""
+    deployment = k8s_object("Deployment", "sglang-farskip-router")
+    template = pod_template(deployment)
+    (container,) = template["spec"]["containers"]
+    assert container["image"].endswith(f":{versions()['FARSKIP_VERSION']}-router")
+    entrypoint = re.search(r"^ENTRYPOINT (\[.*\])$", (DOCKER / "Dockerfile.router").read_text(), re.M)[1]
+    assert container["command"] == json.loads(entrypoint)
+    compose = yaml.safe_load(COMPOSE.read_text())["x-router"]["healthcheck"]["test"]
+    assert container["readinessProbe"].get("exec", {}).get("command") == compose[1:], container["readinessProbe"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert template["spec"].get("hostNetwork") is not True
+    env = container_env(template)
+    assert set(env) - {"SERVER_HTTP_PORT"} <= set(router_vars())
+    port = int(env["ROUTER_PORT"])
+    assert container["ports"] == [{"name": "http", "containerPort": port}]
+    service = k8s_object("Service", "sglang-farskip-router")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"] == template["metadata"]["labels"]
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    policy = k8s_object("NetworkPolicy", "sglang-farskip-router")
+    assert policy["spec"]["podSelector"]["matchLabels"] == template["metadata"]["labels"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": port}]}]
+    secrets = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"] if "secretKeyRef" in v.get("valueFrom", {})}
+    assert {n: (s["name"], s["key"]) for n, s in secrets.items()} == {
+        "API_KEY": ("sglang-farskip-api-key", "API_KEY"),
+        "FARSKIP_ALLOW_NO_API_KEY": ("sglang-farskip-api-key", "FARSKIP_ALLOW_NO_API_KEY")}
+    assert "envFrom" not in container  # so never the servers' ADMIN_API_KEY
+
+
+def test_k8s_pd_network_policy():
+    """Where it is enforced: the PD pods reach each other on every port (bootstrap, Mooncake,
+    the decode server's own), the router only their HTTP port."""
+    policy = k8s_object("NetworkPolicy", "sglang-farskip-pd")
+    (selector,) = policy["spec"]["podSelector"]["matchExpressions"]
+    names = {pd_lws(r)["metadata"]["name"] for r in ("prefill", "decode")}
+    assert (selector["key"], selector["operator"], set(selector["values"])) == (
+        "leaderworkerset.sigs.k8s.io/name", "In", names)
+    peers, router = policy["spec"]["ingress"]
+    assert peers == {"from": [{"podSelector": policy["spec"]["podSelector"]}]}  # every port
+    labels = pod_template(k8s_object("Deployment", "sglang-farskip-router"))["metadata"]["labels"]
+    http = int(container_env(pod_template(pd_lws("prefill")))["HTTP_PORT"])
+    assert router == {"from": [{"podSelector": {"matchLabels": labels}}], "ports": [{"protocol": "TCP", "port": http}]}
+
+
 # ---------------------------------------------------------------- shell
 def k8s_command_scripts() -> list[str]:
     scripts = []
     for _, doc in lws_docs():
         for role in ("leaderTemplate", "workerTemplate"):
-            for c in doc["spec"]["leaderWorkerTemplate"][role]["spec"]["containers"]:
+            for c in doc["spec"]["leaderWorkerTemplate"].get(role, {"spec": {"containers": []}})["spec"]["containers"]:
                 scripts.append(c["command"][2])
                 scripts += [c[probe]["exec"]["command"][2] for probe in ("startupProbe", "livenessProbe")
                             if "exec" in c.get(probe, {})]
@@ -1135,6 +1290,25 @@ def router_vars() -> list[str]:
 
 def router_check(**env: str) -> subprocess.CompletedProcess:
     return run([sys.executable, str(ROUTER), "--check"], env={"PATH": os.environ["PATH"], **env})
+
+
+def assert_pd_wiring(router_env: dict[str, str], prefill_argv: list[str], decode_argv: list[str],
+                     prefill_host: str, decode_host: str) -> None:
+    """One prefill/decode deployment agrees with itself: each server has its role, and the
+    router (deploy/router.py with router_env) sends prefill work to the prefill server's HTTP
+    port with the bootstrap port that server listens on, decode work to the decode server's
+    node 0, each by the name given. Kubernetes' and Slurm's tests share it."""
+    assert flag(prefill_argv, "--disaggregation-mode") == "prefill"
+    assert flag(decode_argv, "--disaggregation-mode") == "decode"
+    proc = router_check(**router_env)
+    assert proc.returncode == 0, proc.stderr
+    flags = shlex.split(proc.stdout)
+    assert "--pd-disaggregation" in flags and flags.count("--prefill") == 1
+    at = flags.index("--prefill")
+    assert flags[at + 1:at + 3] == [f"http://{prefill_host}:{flag(prefill_argv, '--port')}",
+                                    flag(prefill_argv, "--disaggregation-bootstrap-port")]
+    assert [flags[i + 1] for i, a in enumerate(flags) if a == "--decode"] == [
+        f"http://{decode_host}:{flag(decode_argv, '--port')}"]
 
 
 def test_router_builds_pd_and_replica_commands():
