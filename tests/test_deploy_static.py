@@ -35,6 +35,7 @@ DOCKER = ROOT / "docker"
 ENTRYPOINT = DEPLOY / "entrypoint.sh"
 HEALTHCHECK = DEPLOY / "healthcheck.sh"
 SBATCH = DEPLOY / "slurm" / "farskip.sbatch"
+SBATCH_PD = DEPLOY / "slurm" / "farskip-pd.sbatch"  # prefill/decode and the router
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_RDMA = DEPLOY / "compose.rdma.yaml"
 NODE_ENVS = [DEPLOY / "node0.env", DEPLOY / "node1.env"]
@@ -49,7 +50,7 @@ PLATFORMS = ["rocm", "cuda", "cpu"]
 FLAVOURS = [*PLATFORMS, "router"]  # what docker/build.sh builds
 GPU_SERVICES = {"rocm": "farskip-rocm", "cuda": "farskip-cuda"}
 SHELL_SCRIPTS = [
-    ENTRYPOINT, HEALTHCHECK, SBATCH, DOCKER / "build.sh", DOCKER / "install-farskip.sh",
+    ENTRYPOINT, HEALTHCHECK, SBATCH, SBATCH_PD, DOCKER / "build.sh", DOCKER / "install-farskip.sh",
     DOCKER / "standin" / "python-base.sh", ROOT / ".ci" / "run", ROOT / "requirements" / "lock.sh",
 ]
 # Oldest Kubernetes minor these manifests claim to support (LWS itself needs >= 1.26), and the
@@ -862,6 +863,92 @@ def test_slurm_job_is_two_nodes_through_the_entrypoint():
     assert f"entrypoint={IMAGE_ENTRYPOINT}" in text
 
 
+def run_sbatch_pd(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    """deploy/slurm/farskip-pd.sbatch in a fake job of nodes node1..node3: scontrol names them,
+    srun records its arguments and environment, then ends once every step has started. Returns
+    the script's process and the steps by what they run: prefill, decode, router."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "steps"
+    bin_dir.mkdir(parents=True)
+    log.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\n[[ \"$1 $2\" == 'show hostnames' ]] && printf 'node%s\\n' 1 2 3\n")
+    (bin_dir / "srun").write_text(f"""#!{sys.executable}
+import json, os, sys, time, uuid
+log = {str(log)!r}
+path = os.path.join(log, uuid.uuid4().hex)
+with open(path + ".tmp", "w") as f:
+    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, f)
+os.rename(path + ".tmp", path + ".json")
+deadline = time.time() + 20
+while len([n for n in os.listdir(log) if n.endswith(".json")]) < 3 and time.time() < deadline:
+    time.sleep(0.05)
+""")
+    for tool_ in ("scontrol", "srun"):
+        (bin_dir / tool_).chmod(0o755)
+    job = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
+           "SLURM_JOB_NUM_NODES": "3", "SLURM_SUBMIT_DIR": str(ROOT), "FARSKIP_ROUTER_PYTHON": sys.executable,
+           "API_KEY": TEST_API_KEY, "MODEL_PATH": "/models/DeepSeek-V3-FarSkip", "NET_IFNAME": "ens8np0", **env}
+    proc = run(["bash", str(SBATCH_PD)], env=job, timeout=60)
+    steps = {}
+    for record in log.glob("*.json"):
+        step = json.loads(record.read_text())
+        role = step["env"].get("PD_ROLE") or ("router" if str(ROUTER.name) in " ".join(step["argv"]) else "?")
+        assert role not in steps, f"two steps run {role}"
+        steps[role] = step
+    return proc, steps
+
+
+def test_slurm_pd_job_runs_each_role_and_the_router(tmp_path, model):
+    """Prefill on the first node (TP8, one node), decode on the other two (TP16, node 0 the
+    second node), the router on the first node with both servers' addresses and the prefill
+    server's bootstrap port; every step through the entrypoint or deploy/router.py, each srun
+    with --kill-on-bad-exit; the first step to end ends the job, as a failure."""
+    proc, steps = run_sbatch_pd(tmp_path, ADMIN_API_KEY=ADMIN_TEST_KEY)
+    assert set(steps) == {"prefill", "decode", "router"}, (steps.keys(), proc.stderr)
+    assert steps["prefill"]["env"]["ADMIN_API_KEY"] == ADMIN_TEST_KEY and "ADMIN_API_KEY" not in steps["router"]["env"]
+    assert proc.returncode == 1 and "stopping the others" in proc.stderr, proc.stderr
+    for step in steps.values():
+        assert "--kill-on-bad-exit=1" in step["argv"] and "--ntasks-per-node=1" in step["argv"]
+    nodelists = {role: [a for a in s["argv"] if a.startswith("--nodelist=")] for role, s in steps.items()}
+    assert nodelists == {"prefill": ["--nodelist=node1"], "decode": ["--nodelist=node2,node3"],
+                         "router": ["--nodelist=node1"]}
+    assert "--overlap" in steps["router"]["argv"]
+    assert steps["router"]["argv"][-2:] == [sys.executable, str(ROOT / "deploy" / "router.py")]
+    servers = {}
+    for role in ("prefill", "decode"):
+        argv = steps[role]["argv"]
+        assert argv[-4:] == ["bash", "-c", 'NODE_RANK="$SLURM_PROCID" exec "$0"', str(ENTRYPOINT)]
+        env = {**steps[role]["env"], "NODE_RANK": "0", "MODEL_PATH": str(model), "NET_IFNAME": "lo",
+               "FARSKIP_PYTHON": sys.executable, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        if role == "decode":
+            assert (env["MASTER_ADDR"], env["WORKER_ADDRS"]) == ("node2", "node3")
+            env.update(MASTER_ADDR="127.0.0.1", WORKER_ADDRS="127.0.0.1")  # resolvable here
+        else:
+            assert "MASTER_ADDR" not in env and "WORKER_ADDRS" not in env
+        servers[role] = command_of(check(env))
+    assert (flag(servers["prefill"], "--nnodes"), flag(servers["prefill"], "--tp-size")) == ("1", "8")
+    assert (flag(servers["decode"], "--nnodes"), flag(servers["decode"], "--tp-size")) == ("2", "16")
+    assert_pd_wiring(steps["router"]["env"], servers["prefill"], servers["decode"], "node1", "node2")
+    # The ports and addresses a site sets reach every step that needs them.
+    proc, steps = run_sbatch_pd(tmp_path / "site", BOOTSTRAP_PORT="9100", HTTP_PORT="31000",
+                                PD_ADDRS="10.0.0.1,10.0.0.2,10.0.0.3")
+    router = shlex.split(router_check(**steps["router"]["env"]).stdout)
+    assert router[router.index("--prefill") + 1:][:2] == ["http://10.0.0.1:31000", "9100"]
+    assert steps["prefill"]["env"]["BOOTSTRAP_PORT"] == "9100" and steps["decode"]["env"]["MASTER_ADDR"] == "10.0.0.2"
+
+
+def test_slurm_pd_job_refuses_a_wrong_node_count(tmp_path):
+    proc, steps = run_sbatch_pd(tmp_path, PD_ADDRS="10.0.0.1,10.0.0.2")
+    assert proc.returncode == 2 and not steps
+    assert proc.stderr.startswith("error: ") and "PD_ADDRS" in proc.stderr
+
+
+def test_slurm_pd_job_defaults_are_the_entrypoints():
+    """The one default it repeats (the router's URLs need the number) is the entrypoint's."""
+    defaults = dict(re.findall(r'^: "\$\{([A-Z][A-Z0-9_]*):=(.*)\}"$', SBATCH_PD.read_text(), re.M))
+    assert defaults["HTTP_PORT"] == entrypoint_defaults()["HTTP_PORT"]
+    assert re.search(r"^#SBATCH --nodes=3$", SBATCH_PD.read_text(), re.M)
+
+
 # ---------------------------------------------------------------- entrypoint behaviour
 @pytest.fixture
 def model(tmp_path) -> Path:
@@ -1232,6 +1319,8 @@ def test_documented_variables_are_the_variables_read():
     assert set(shell_array(HEALTHCHECK, "FARSKIP_HEALTH_VARS")) <= set(entrypoint_vars())
     slurm = doc_table("Variables read by deploy/slurm/farskip.sbatch")
     assert set(shell_array(SBATCH, "FARSKIP_SLURM_VARS")) == set(slurm)
+    slurm_pd = doc_table("Variables read by deploy/slurm/farskip-pd.sbatch")
+    assert set(shell_array(SBATCH_PD, "FARSKIP_SLURM_PD_VARS")) == set(slurm_pd)
 
 
 @pytest.mark.parametrize("env_file", NODE_ENVS, ids=lambda p: p.name)
