@@ -20,6 +20,7 @@ Needs a Docker engine (skips with the reason without one, as tests/test_docker.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -135,16 +136,24 @@ def check_farskip(info: dict, role: str, tp: int, local_ranks: int) -> None:
 
 
 # ------------------------------------------------------------------ pd-cpu
-@pytest.fixture(scope="module")
-def pd(request, images):
-    stack = Stack("pd", images, "pd-cpu.env")
+@contextlib.contextmanager
+def running(request, images, name: str, what: str):
+    """Profile NAME-cpu up until the router lists its two servers (`what`) healthy; down after,
+    leaving no container."""
+    stack = Stack(name, images, f"{name}-cpu.env")
     try:
         took = stack.up(expected=2)
-        report(request, f"pd-cpu: router lists both servers healthy {took:.0f} s after up")
+        report(request, f"{name}-cpu: router lists both {what} healthy {took:.0f} s after up")
         yield stack
     finally:
         stack.down()
     assert stack.leftovers() == "", "containers left after down"
+
+
+@pytest.fixture(scope="module")
+def pd(request, images):
+    with running(request, images, "pd", "servers") as stack:
+        yield stack
 
 
 def test_pd_profile_serves_through_the_router(request, pd, reference):
@@ -173,14 +182,8 @@ def test_pd_profile_runs_farskip_in_both_servers(pd):
 @pytest.fixture(scope="module")
 def replicas(request, images, pd):
     pd.down()  # its cores are the replicas' now
-    stack = Stack("replicas", images, "replicas-cpu.env")
-    try:
-        took = stack.up(expected=2)
-        report(request, f"replicas-cpu: router lists both replicas healthy {took:.0f} s after up")
+    with running(request, images, "replicas", "replicas") as stack:
         yield stack
-    finally:
-        stack.down()
-    assert stack.leftovers() == "", "containers left after down"
 
 
 def test_replicas_profile_serves_and_survives_a_replica(request, replicas, reference):
