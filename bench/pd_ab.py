@@ -36,9 +36,8 @@ from pathlib import Path
 import run_load  # bench/run_load.py, beside this script
 
 from sglang_farskip.testbed import REPO, pd
-from sglang_farskip.testbed.servers import side_by_side
+from sglang_farskip.testbed.servers import ONE_THREAD, side_by_side
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 SERVER_FLAGS = ["--enable-metrics"]
 START_TIMEOUT_S = 600  # a two-node decode server beside a prefill server, on 2 cores
 

@@ -21,12 +21,11 @@ import sys
 from pathlib import Path
 
 from sglang_farskip.testbed import REPO, pd
-from sglang_farskip.testbed.servers import side_by_side
+from sglang_farskip.testbed.servers import ONE_THREAD, side_by_side
 
 # A restart as soon as a check fails twice, 1 s after the crash: the deployment's defaults
 # (deploy/entrypoint.sh) wait minutes, which a short soak would spend waiting.
 WATCHDOG = ["--interval", "2", "--timeout", "10", "--failures", "2", "--backoff", "1", "--restarts", "3"]
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # one core per server on a small machine
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_farskip.testbed.servers import Server
+from sglang_farskip.testbed.servers import ONE_THREAD, Server  # noqa: F401 (ONE_THREAD: for the tests)
 from sglang_farskip.tools import convert
 from sglang_farskip.tools.demo_model import build_checkpoint
 
@@ -27,9 +27,6 @@ NEW_TOKENS = 8
 TOP_K = 5
 FLOAT32 = ["--dtype", "float32"]
 
-# Each rank of a CPU test run gets one core; two OpenMP threads per rank on two cores made
-# TP=2 about 3x slower here.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def _prompts() -> list[list[int]]:

@@ -57,9 +57,10 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def _claim(port: int) -> bool:
-    """Claim `port`'s block for this process's lifetime; False if another live process holds it.
-    A block this process claimed before is its own to hand out again when the range wraps."""
+def _claim(port: int, keep: int) -> bool:
+    """Claim `port`'s block; False if another live process holds it. A block this process
+    claimed before is its own to hand out again when the range wraps. The process holds its
+    `keep` newest claims (until it exits); older ones are dropped."""
     if port in _claimed:
         _claimed[port] = _claimed.pop(port)  # the newest claim again
         return True
@@ -71,8 +72,7 @@ def _claim(port: int) -> bool:
         os.close(fd)
         return False
     _claimed[port] = fd
-    low, high = _port_range()
-    while len(_claimed) > max(1, (high - low) // PORT_STRIDE // 2):
+    while len(_claimed) > keep:
         os.close(_claimed.pop(next(iter(_claimed))))  # closing the descriptor drops its flock
     return True
 
@@ -86,7 +86,6 @@ def free_port() -> int:
     for _ in range(blocks):
         port = low + _next_block[0] * PORT_STRIDE
         _next_block[0] = (_next_block[0] + 1) % blocks
-        if all(_bindable(port + offset) for offset in _DERIVED_OFFSETS) and _claim(port):
+        if all(_bindable(port + offset) for offset in _DERIVED_OFFSETS) and _claim(port, max(1, blocks // 2)):
             return port
     raise RuntimeError(f"no free block of {PORT_STRIDE} ports in {low}-{high} on this host")
-

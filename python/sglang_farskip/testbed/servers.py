@@ -27,6 +27,9 @@ START_TIMEOUT_S = 240  # a CPU start is 25-45 s here; CI machines are slower whe
 # reference compares with). The servers of tests/test_docker.py and the deployments of
 # tests/test_deploy_two_nodes.py run it compiled, as users do (`Server(..., eager=False)`).
 EAGER = {"TORCHDYNAMO_DISABLE": "1"}
+# Each rank of a CPU test or bench run gets one core; two OpenMP threads per rank on two cores
+# made TP=2 about 3x slower here.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 # Our launcher's admin routes (/flush_cache, ...) answer only an admin key (serve/admin.py):
 # test servers get this one unless a test gives its own.
@@ -188,7 +191,7 @@ def side_by_side(runs: dict[str, dict], timeout: float = START_TIMEOUT_S, servin
 
     Why: a CPU start here is 25-45 s, mostly one Python process at a time importing SGLang, so
     one start keeps about one of the two cores busy; starts side by side overlap. Give each
-    server one OpenMP thread (parity.ONE_THREAD): more threads than cores made TP=2 about 3x
+    server one OpenMP thread (ONE_THREAD): more threads than cores made TP=2 about 3x
     slower here.
     """
     with contextlib.ExitStack() as stack:
