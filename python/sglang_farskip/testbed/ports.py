@@ -14,7 +14,11 @@ import socket
 # port + 1 .. + 7 across nodes. From an ephemeral HTTP port, that block is ephemeral too, and a
 # server started beside it (its gloo, ZMQ and HTTP client sockets) can hold one of those ports
 # for the whole start: CI saw a DP-attention server exit with 1 that way. SGLang's own picks
-# (the NCCL port) come from 22000-29999, so ours stay under 22000. Each call takes the next
+# (the NCCL port) come from 22000-29999, so ours stay under 22000. Test servers are not left to
+# that pick: SGLang checks its random NCCL port free in the launcher and the scheduler binds it
+# seconds later, and two servers starting side by side can pick the same one (CI: a DP-attention
+# server's TCPStore failed with EADDRINUSE on 25093). servers.Server passes
+# --nccl-port = its port + NCCL_PORT_OFFSET, inside the block it claimed. Each call takes the next
 # block of PORT_STRIDE ports, so blocks handed out in one run do not overlap until the range
 # wraps (44 blocks, far more than the servers alive at once); pytest-xdist workers take
 # disjoint halves.
@@ -33,7 +37,8 @@ PORT_RANGE = (10000, 21000)
 _CLAIMS = "/tmp/sglang-farskip-ports"
 _claimed: dict[int, int] = {}  # port -> open descriptor of this process's claim, oldest first
 PORT_STRIDE = 250
-_DERIVED_OFFSETS = (0, *range(1, 8), *range(233, 241))
+NCCL_PORT_OFFSET = 10
+_DERIVED_OFFSETS = (0, *range(1, 8), NCCL_PORT_OFFSET, *range(233, 241))
 _next_block = [None]
 
 

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from sglang_farskip.testbed import REPO
-from sglang_farskip.testbed.ports import free_port
+from sglang_farskip.testbed.ports import NCCL_PORT_OFFSET, free_port
 
 START_TIMEOUT_S = 240  # a CPU start is 25-45 s here; CI machines are slower when busy
 
@@ -100,6 +100,8 @@ class Server(HttpProcess):
         port = free_port()
         module = "sglang.launch_server" if stock else "sglang_farskip.launch_server"
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args]
+        if "--nccl-port" not in args:  # not SGLang's random pick (why: ports.py)
+            cmd += ["--nccl-port", str(port + NCCL_PORT_OFFSET)]
         self.watched = watchdog is not None
         if self.watched:
             url = f"http://127.0.0.1:{port}"
