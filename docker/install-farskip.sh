@@ -38,6 +38,30 @@ if ! "$python" -c "$probe"; then
   exit 1
 fi
 
+# Prefill/decode disaggregation (docs/pd.md) moves the KV cache with Mooncake's transfer engine,
+# which the upstream GPU images ship (the CUDA image pip-installs its RDMA build, the ROCm image
+# builds it from source). Checked here, not at the first PD request: a base without it fails the
+# build with the fix. Its files, not an import: engine.so links the GPU driver, which a build
+# has no access to.
+if [[ "$platform" != cpu ]] && ! mooncake="$("$python" - <<'PY'
+import importlib.metadata as m, importlib.util, pathlib, sys
+spec = importlib.util.find_spec("mooncake")  # finds the package without importing it
+dirs = (spec.submodule_search_locations if spec else None) or ()
+engines = [p for d in dirs for p in pathlib.Path(d).glob("engine*.so")]
+if not engines:
+    sys.exit(1)
+dists = [d for d in m.distributions() if (d.metadata["Name"] or "").lower().startswith("mooncake")]
+print(", ".join(f"{d.metadata['Name']} {d.version}" for d in dists) or "(no distribution record)", "at", engines[0])
+PY
+)"; then
+  echo "error: the base image has no Mooncake transfer engine (no mooncake/engine*.so), which" \
+    "prefill/decode disaggregation needs: use the upstream $platform image named in" \
+    "docker/versions.env, or add Mooncake's $platform build to docker/Dockerfile.$platform" \
+    "(docs/deploy.md, \"Mooncake in the GPU images\")" >&2
+  exit 1
+fi
+[[ "$platform" == cpu ]] || echo "Mooncake: $mooncake"
+
 # Build and install this package with nothing fetched but the hash-checked setuptools:
 # - setuptools (pyproject.toml's exact pin) from requirements/build.lock, into a scratch
 #   directory on PYTHONPATH rather than the image's Python, whose own setuptools stays as it is;

@@ -27,8 +27,8 @@ What runs (docker compose -f deploy/compose.yaml with the shipped env files):
   node 0's server killed, node 1's schedulers stopped (SIGSTOP) and node 1's container
   restarted, each followed by both nodes restarting and serving the reference's tokens again
   within HEAL_BOUND_S; `down` leaves nothing;
-- docker/Dockerfile.cuda and .rocm built on the GPU stand-ins; the 0.5.22 stand-in fails the
-  build with the reason.
+- docker/Dockerfile.cuda and .rocm built on the GPU stand-ins; a stand-in with SGLang 0.5.22,
+  and one without Mooncake's transfer engine, each fail the build with the reason.
 
 Caching: the stand-in Python base is tagged by a hash of its inputs (python-base.sh); every
 docker build reuses Docker's layer cache, which keys each layer by its instruction, its parent
@@ -388,9 +388,7 @@ def test_two_nodes_heal_themselves(request, two_nodes, reference, fault, node):
 @pytest.mark.parametrize("platform", ["cuda", "rocm"])
 def test_gpu_image_builds_on_a_stand_in_base(request, images, platform):
     standin = f"farskip-standin/sglang-{platform}:test"
-    proc = docker_build(DOCKER / "standin" / "Dockerfile.gpu-base", standin,
-                        f"TORCH_SGLANG_IMAGE={images['torch-sglang']}", f"PLATFORM={platform}",
-                        f"SGLANG_VERSION={images['sglang']}")
+    proc = gpu_standin(images, standin, f"PLATFORM={platform}", f"SGLANG_VERSION={images['sglang']}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     image = f"sglang-farskip-test:{platform}"
     seconds = build(platform, image, "--build-arg", f"SGLANG_{platform.upper()}_IMAGE={standin}")
@@ -404,17 +402,28 @@ def test_gpu_image_builds_on_a_stand_in_base(request, images, platform):
     assert API_KEY not in proc.stdout + proc.stderr, "--check printed the API key"
 
 
-def test_gpu_image_refuses_another_sglang_version(images):
-    standin = "farskip-standin/sglang-cuda:wrong-sglang"
-    proc = docker_build(DOCKER / "standin" / "Dockerfile.gpu-base", standin,
-                        f"TORCH_SGLANG_IMAGE={images['torch-sglang']}", "PLATFORM=cuda",
-                        "SGLANG_VERSION=0.5.22")
+def gpu_standin(images, tag: str, *build_args: str) -> subprocess.CompletedProcess:
+    return docker_build(DOCKER / "standin" / "Dockerfile.gpu-base", tag,
+                        f"TORCH_SGLANG_IMAGE={images['torch-sglang']}",
+                        f"MOONCAKE_IMAGE={images['cpu']}", *build_args)
+
+
+@pytest.mark.parametrize("wrong", ["sglang", "mooncake"])
+def test_gpu_image_refuses_a_wrong_base(images, wrong):
+    """A base with another SGLang, or without Mooncake's transfer engine, fails the build with
+    the reason and the fix."""
+    standin = f"farskip-standin/sglang-cuda:wrong-{wrong}"
+    sglang = "0.5.22" if wrong == "sglang" else images["sglang"]
+    proc = gpu_standin(images, standin, "PLATFORM=cuda", f"SGLANG_VERSION={sglang}",
+                       f"WITH_MOONCAKE={int(wrong != 'mooncake')}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     proc = subprocess.run([str(DOCKER / "build.sh"), "cuda", "--local-base", "--force-rm",
                            "--build-arg", f"SGLANG_CUDA_IMAGE={standin}"],
                           capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
                           env={**os.environ, "FARSKIP_IMAGE": "sglang-farskip-test:cuda-wrong"})
     assert proc.returncode != 0
-    want = (f"error: the base image has sglang 0.5.22, sglang-farskip needs {images['sglang']}: "
-            "fix the image tag in docker/versions.env")
+    want = {"sglang": f"error: the base image has sglang 0.5.22, sglang-farskip needs {images['sglang']}: "
+                      "fix the image tag in docker/versions.env",
+            "mooncake": "error: the base image has no Mooncake transfer engine (no mooncake/engine*.so), "
+                        "which prefill/decode disaggregation needs"}[wrong]
     assert want in proc.stdout + proc.stderr
