@@ -65,8 +65,12 @@ def soak(args) -> dict:
     headers = {"Content-Type": "application/json"}
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
-    body = json.dumps({"model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
-                       "temperature": 0, "ignore_eos": True}).encode()
+    # --prompts N: request k sends "(k mod N). PROMPT", prompts that differ from the first
+    # character on (N <= 10). Why: a router's cache-aware policy sends one prompt to one worker,
+    # every time; N of them spread the load over the workers, each prompt staying with its own.
+    bodies = [json.dumps({"model": args.model, "prompt": f"{k}. {args.prompt}" if args.prompts > 1 else args.prompt,
+                          "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+              for k in range(args.prompts)]
     records: list[Record] = []
     started = [0]
     lock = threading.Lock()
@@ -77,6 +81,7 @@ def soak(args) -> dict:
         while time.monotonic() < stop_at:
             start = time.monotonic() - t0
             with lock:
+                body = bodies[started[0] % len(bodies)]
                 started[0] += 1
             error = one_request(args.url, body, headers, args.max_tokens, args.request_timeout)
             with lock:
@@ -177,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of success the run must end with")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--prompt", default="The capital of France is")
+    p.add_argument("--prompts", type=int, default=1, choices=range(1, 11), metavar="1..10",
+                   help="distinct prompts, sent in turn")
     p.add_argument("--model", default="default")
     p.add_argument("--api-key", default=os.environ.get("API_KEY") or "",
                    help="sent as 'Authorization: Bearer KEY' (default: $API_KEY)")

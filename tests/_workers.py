@@ -43,7 +43,7 @@ LONGEST_FIRST = [
     "docker",  # 800: tests/test_docker.py 550, tests/test_compose_pd.py 250 (124-344 s warm, ten runs)
     "tests/test_dp_attention.py",  # 260
     "netns",  # 250
-    "tests/test_pd_faults.py",  # 235 (one run alone: two cases of 117 s)
+    "tests/test_router_faults.py",  # 235 before its two-node cases (one run alone: two cases of 117 s)
     "tests/test_parallel.py",  # 215
     "tests/test_spec_farskip.py",  # 205
     "tests/test_fcsd.py",  # 180

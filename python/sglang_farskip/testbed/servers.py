@@ -92,19 +92,23 @@ class HttpProcess:
 
 class Server(HttpProcess):
     """`watchdog`: run the server under serve/watchdog.py with these flags, as a deployment
-    does (it restarts a crashed or hung server; `server_pid` is the server's own process)."""
+    does (it restarts a crashed or hung server; `server_pid` is the server's own process). It
+    checks `watch_url` (default: this server's own): a node rank above 0 serves no HTTP and
+    watches node 0's, as deploy/entrypoint.sh has it. `port`: the HTTP port (default: a free
+    one), for a node 0 whose URL its other nodes' watchdogs must know before it starts."""
 
     def __init__(self, args: list[str], *, stock: bool = False, env: dict | None = None,
                  log_path: Path | None = None, eager: bool = True, admin_key: str | None = ADMIN_KEY,
-                 watchdog: list[str] | None = None):
-        port = free_port()
+                 watchdog: list[str] | None = None, watch_url: str | None = None,
+                 port: int | None = None):
+        port = port or free_port()
         module = "sglang.launch_server" if stock else "sglang_farskip.launch_server"
         cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args]
         if "--nccl-port" not in args:  # not SGLang's random pick (why: ports.py)
             cmd += ["--nccl-port", str(port + NCCL_PORT_OFFSET)]
         self.watched = watchdog is not None
         if self.watched:
-            url = f"http://127.0.0.1:{port}"
+            url = watch_url or f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "sglang_farskip.serve.watchdog", "--url", url + "/health_generate",
                    "--up-url", url + "/health", *watchdog, "--", *cmd]
         full_env = {**os.environ, **(EAGER if eager else {}), **(env or {})}

@@ -1,0 +1,77 @@
+"""Deployments behind SGLang's router recover by themselves from a failed server process: the
+short version of bench/router_soak.py (docs/pd.md, "Failures"), run as a user would run it.
+
+Each case starts the demo model in a layout of router_soak.py, every server process under the
+deployment's watchdog, and SGLang's router in front; runs soak.py's constant non-streaming load
+through the router; and SIGKILLs (or SIGSTOPs) the whole process tree of one server process
+FAULT_AT_S in. The cases:
+- PD (prefill and decode at TP=1): the decode server crashes; the prefill server crashes;
+- PD with the decode server at TP=2 as two node processes: decode node 1 crashes;
+- two replicas, `a` at TP=2 as two node processes and `b` at TP=1: node 1 of `a` hangs.
+What must hold (router_soak.py's exit status carries soak.py's checks and its own):
+- no request hangs: each ends within the clients' timeout (REQUEST_TIMEOUT_S) plus 5 s. After
+  a decode crash the requests in flight would otherwise wait out the prefill server's bootstrap
+  timeout (300 s); the client's timeout is what bounds them, and it must be seen to;
+- none is dropped unanswered;
+- the run ends with SETTLE_S seconds in which every request succeeded, and the router lists
+  every worker healthy: the watchdogs started the failed server (and its peer node) again and
+  the router sends to it, with no hand from outside. (In PD mode the router keeps its default
+  health checks, every 60 s, and does not notice an outage this short; over replicas it must
+  have listed the failed replica unhealthy and then healthy again.)
+PD: requests fail only when in flight at the crash or sent while the server was down (a PD
+deployment with one server per role has no other to send them to), and some must fail (a fault
+that missed its server fails nothing). Replicas: none fails; the router sends them to the other
+replica (deploy/router-replicas.args has the retry spacing that makes it so).
+
+DURATION_S leaves room for a slow restart: 17-44 s after the kill for one TP=1 server on a
+quiet machine, 50-60 s for a two-node server (the figures in docs/pd.md), a CPU start taking
+twice as long beside other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_farskip.testbed import REPO
+
+FAULT_AT_S, SETTLE_S = 5, 10
+CASES = {  # id: (router_soak.py arguments, DURATION_S, REQUEST_TIMEOUT_S)
+    "pd-decode-crash": (["--layout", "pd", "--fault", "decode0"], 100, 30),
+    "pd-prefill-crash": (["--layout", "pd", "--fault", "prefill"], 100, 30),
+    "pd-decode-node1-crash": (["--layout", "pd", "--nodes", "2", "--fault", "decode1"], 150, 30),
+    # A request on replica a when node 1 hangs waits until the watchdog ends node 0 (about 24 s:
+    # two checks that time out), then is sent again: 30 s were seen, hence 60.
+    "replica-node1-hang": (["--layout", "replicas", "--nodes", "2", "--fault", "a1", "--hang"], 60, 60),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_recovers_by_itself(case, tmp_path):
+    args, duration, request_timeout = CASES[case]
+    out = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "router_soak.py"), *args,
+         "--fault-at", str(FAULT_AT_S), "--duration", str(duration), "--settle", str(SETTLE_S),
+         "--request-timeout", str(request_timeout), "--logs", str(tmp_path), "--out", str(out)],
+        capture_output=True, text=True, timeout=duration + request_timeout + 600)
+    print(proc.stdout[-2500:])
+    logs = "".join(f"\n--- {log.name}:\n" + log.read_text(errors="replace")[-3000:]
+                   for log in sorted(tmp_path.glob("router-soak-*.log")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + logs
+    result = json.loads(out.read_text())
+    assert result["fault"]["status"] == 0, result["fault"]  # the signal found its victim
+    assert all(result["checks"].values()), result["checks"]
+    if case.startswith("replica"):
+        assert result["failed"] == 0, result["errors"]
+        # The hang was felt: a request was on replica a (soak.py's 8 prompts spread the load).
+        assert result["longest_request_s"] > 10, result
+        # The router took the replica out and back in (its health checks: REPLICA_FLAGS).
+        assert "(healed)" in proc.stdout, proc.stdout[-1000:]
+    else:
+        assert result["failed"] > 0 and result["recovery_s"] is not None, result
+    print(f"{case}: {result['failed']} of {result['requests']} failed, recovery "
+          f"{result['recovery_s']} s, longest request {result['longest_request_s']} s")
