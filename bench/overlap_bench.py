@@ -52,6 +52,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from sglang_farskip.serve.watchdog import signal_group
 from sglang_farskip.testbed.netns import BENCH, shaped_link
 from sglang_farskip.testbed.ports import free_port
 
@@ -166,8 +167,7 @@ class Deployment:
 
     def stop(self) -> None:
         for p in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+            signal_group(p, signal.SIGKILL)
             p.wait()
 
 

@@ -154,14 +154,19 @@ class HealthWatch(threading.Thread):
         self.router, self.fault_at = router, fault_at
         self.down: float | None = None
         self.up: float | None = None
+        self.silent: float | None = None  # when the router itself first failed to answer
         self.done = threading.Event()
         self.start()
 
     def run(self) -> None:
         while not self.done.is_set():
-            with contextlib.suppress(OSError, ValueError, KeyError):
+            try:
                 workers = self.router.workers()
                 healthy = len(workers) == self.router.expected and all(w["is_healthy"] for w in workers)
+            except (OSError, ValueError, KeyError):
+                if self.silent is None:
+                    self.silent = time.monotonic() - self.fault_at
+            else:
                 now = time.monotonic() - self.fault_at
                 if not healthy and self.down is None:
                     self.down = now
@@ -178,11 +183,14 @@ class HealthWatch(threading.Thread):
         return self.down is None or self.up is not None
 
     def report(self) -> str:
+        silent = ("" if self.silent is None else
+                  f"; the router itself failed to answer {self.silent:.1f} s after the fault")
         if self.down is None:
-            return "router: never listed a worker unhealthy"
+            return "router: never listed a worker unhealthy" + silent
         if self.up is None:
-            return f"router: a worker unhealthy from {self.down:.1f} s after the fault, and still"
-        return f"router: a worker unhealthy from {self.down:.1f} s to {self.up:.1f} s after the fault (healed)"
+            return f"router: a worker unhealthy from {self.down:.1f} s after the fault, and still" + silent
+        return (f"router: a worker unhealthy from {self.down:.1f} s to {self.up:.1f} s after the "
+                f"fault (healed)" + silent)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ up end nothing (a server that is still starting); the server dies with the watch
 deployment that is up (node 0's /health answers) but never answered /health_generate, as when
 a rank hangs the moment node 0 first serves, is ended within the module's bound; a crash loop
 backs off and gives up with one line and EXIT_GAVE_UP; a refused setting (exit 2) is never
-restarted. The "servers" are real processes: Python HTTP servers and shell commands.
+restarted; a server's process group is signalled after its exit only while its pid is no
+other process's. The "servers" are real processes: Python HTTP servers and shell commands.
 
 Its real job, ending a hung server so that both nodes restart, runs end to end in
 tests/test_docker.py (node 1's schedulers stopped with SIGSTOP, the deployment serving again,
@@ -25,7 +26,9 @@ import psutil
 from parity import ONE_THREAD
 from sglang_farskip.testbed.servers import REPO, free_port
 
-from sglang_farskip.serve.watchdog import EXIT_GAVE_UP, EXIT_UNHEALTHY
+import pytest
+
+from sglang_farskip.serve.watchdog import EXIT_GAVE_UP, EXIT_UNHEALTHY, signal_group
 
 INTERVAL_S, TIMEOUT_S, FAILURES = 1, 2, 2
 
@@ -210,3 +213,38 @@ def test_a_start_that_came_up_resets_the_count(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     assert "giving up" not in log_path.read_text()
+
+
+def _reuse_pid(pid: int) -> subprocess.Popen:
+    """A new session leader with `pid`, as when the kernel goes round pid_max (32768 on many
+    hosts) and hands a freed pid out again: the next pid is set through ns_last_pid (root)."""
+    for _ in range(50):  # another process forking in between takes the pid first: try again
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        if other.pid == pid:
+            return other
+        other.kill()
+        other.wait()
+    pytest.fail(f"pid {pid} was never handed out again in 50 tries")
+
+
+def test_an_exited_servers_group_is_signalled_only_while_its_pid_is_not_reused():
+    """signal_group (the watchdog's forward of SIGTERM in a restart's back-off, the test bed's
+    stop of a node that exited): what the server left in its group is killed; once its pid
+    leads another program's session, nothing is (a plain killpg would kill that program)."""
+    server = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!"], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    left = psutil.Process(int(server.stdout.readline()))
+    server.wait()  # reaped: the pid is free, the group lives on in the sleep it left
+    signal_group(server, signal.SIGKILL)
+    left.wait(timeout=10)  # psutil.TimeoutExpired if the leftover survived
+
+    other = _reuse_pid(server.pid)
+    try:
+        signal_group(server, signal.SIGKILL)
+        time.sleep(0.5)
+        assert other.poll() is None, "signal_group killed the process that now has the pid"
+    finally:
+        other.kill()
+        other.wait()

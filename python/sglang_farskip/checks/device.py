@@ -74,6 +74,7 @@ import urllib.request
 from pathlib import Path
 
 from sglang_farskip.serve.launcher import wait_healthy
+from sglang_farskip.serve.watchdog import signal_group
 from sglang_farskip.testbed import REPO as ROOT
 from sglang_farskip.testbed.ports import free_port
 from sglang_farskip.testbed.servers import ADMIN_KEY, admin_post
@@ -417,7 +418,7 @@ def serve_and_run(model_path: str, variant: str, log_dir: Path, start_timeout: f
         admin_post(base, "/flush_cache")
         return first, not compare(first, run_workload(base))
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        signal_group(proc, signal.SIGKILL)  # proc may have exited: not os.killpg (pid reuse)
         proc.wait()
         log.close()
 

@@ -46,6 +46,7 @@ BACKOFF_CAP_S), unless:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -85,11 +86,22 @@ def _exit_status(returncode: int) -> int:
     return status
 
 
+def signal_group(proc: subprocess.Popen, signum: int) -> None:
+    """Send `signum` to the process group that `proc` leads (started with start_new_session).
+
+    Once proc has been reaped (`returncode` set) its pid is free, and the kernel hands pids out
+    again: pid_max is 32768 on many hosts, and a busy machine goes round it in minutes. A group
+    of that number may then be another program's, led by the new process with that pid (a CI run
+    saw a test's server SIGKILLed at its start, pid reuse the likely cause). So after proc's exit
+    only a group without its leader is signalled: what proc itself left behind."""
+    if proc.returncode is not None and os.path.exists(f"/proc/{proc.pid}"):
+        return  # that number is another process's now
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signum)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # SIGKILL also ends a stopped (SIGSTOP) process
-    except ProcessLookupError:
-        pass
+    signal_group(proc, signal.SIGKILL)  # SIGKILL also ends a stopped (SIGSTOP) process
     proc.wait()
 
 
@@ -165,11 +177,8 @@ def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
     def forward(signum, _frame):
         logger.info("watchdog: passing signal %d to the server", signum)
         stopping.append(signum)
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signum)
-            except ProcessLookupError:
-                pass
+        for proc in procs:  # the last server, maybe exited (a restart's back-off)
+            signal_group(proc, signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sglang_farskip.serve.watchdog import signal_group
 from sglang_farskip.testbed import REPO
 
 ENTRYPOINT = REPO / "deploy" / "entrypoint.sh"
@@ -199,8 +200,9 @@ class Node:
     def kill(self) -> None:
         """SIGKILL the node's process group: also children left behind by a node that exited."""
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            # Not os.killpg: _watch has reaped a node that exited, and its pid may be reused.
+            with contextlib.suppress(PermissionError):
+                signal_group(self.proc, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=30)
         self.poll()
@@ -365,8 +367,7 @@ class BackgroundClient:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            signal_group(self.proc, signal.SIGKILL)
             self.proc.wait(timeout=30)
 
 

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from sglang_farskip.serve.watchdog import signal_group
 from sglang_farskip.testbed import REPO
 from sglang_farskip.testbed.ports import NCCL_PORT_OFFSET, free_port
 
@@ -76,10 +77,7 @@ class HttpProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_group(self.proc, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self._log.close()
 
