@@ -41,9 +41,9 @@ ALONE = {"tests/test_load_crosscheck.py"}
 # Longest first, from CI's time-per-file table (tests/_durations.py): seconds in one process.
 LONGEST_FIRST = [
     "docker",  # 800: tests/test_docker.py 550, tests/test_compose_pd.py 250 (124-344 s warm, ten runs)
+    "tests/test_router_faults.py",  # 550-655 in busy runs (two files at once), before its PD cases got 50 s more each
     "tests/test_dp_attention.py",  # 260
     "netns",  # 250
-    "tests/test_router_faults.py",  # 235 before its two-node cases (one run alone: two cases of 117 s)
     "tests/test_parallel.py",  # 215
     "tests/test_spec_farskip.py",  # 205
     "tests/test_fcsd.py",  # 180
