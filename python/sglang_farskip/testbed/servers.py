@@ -208,7 +208,10 @@ def side_by_side(runs: dict[str, dict], timeout: float = START_TIMEOUT_S, servin
                 # died): show every log.
                 others = "".join(f"\n--- {other}'s log:\n{server.log_tail(30)}"
                                  for other, server in servers.items() if other != name)
-                raise type(failed)(f"{name}: {failed}{others}") from None
+                # Its own log last: a report cut in the middle (CI's) keeps the end, where a
+                # child's traceback is (SGLang's launcher then ends itself: exit -9).
+                raise type(failed)(f"{name} did not start; the others' logs first, its own "
+                                   f"last:{others}\n--- {name}: {failed}") from None
         yield servers
 
 
