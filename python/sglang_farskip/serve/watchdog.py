@@ -89,11 +89,11 @@ def _exit_status(returncode: int) -> int:
 def signal_group(proc: subprocess.Popen, signum: int) -> None:
     """Send `signum` to the process group that `proc` leads (started with start_new_session).
 
-    Once proc has been reaped (`returncode` set) its pid is free, and the kernel hands pids out
-    again: pid_max is 32768 on many hosts, and a busy machine goes round it in minutes. A group
-    of that number may then be another program's, led by the new process with that pid (a CI run
-    saw a test's server SIGKILLed at its start, pid reuse the likely cause). So after proc's exit
-    only a group without its leader is signalled: what proc itself left behind."""
+    Once proc has been reaped (`returncode` set) its pid is free, and the kernel hands it out
+    again once its counter goes round pid_max (32768 on many hosts; a long-lived container
+    does). A group of that number may then be another program's, led by the new process with
+    that pid, and a plain killpg would end that program. So after proc's exit only a group
+    without its leader is signalled: what proc itself left behind."""
     if proc.returncode is not None and os.path.exists(f"/proc/{proc.pid}"):
         return  # that number is another process's now
     with contextlib.suppress(ProcessLookupError):
