@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                         "replicas: a0, a1 (--nodes 2), a (--nodes 1), b; or none")
     p.add_argument("--hang", action="store_true", help="SIGSTOP the victim instead of SIGKILL")
     p.add_argument("--duration", type=float, default=150.0, help="seconds of load")
+    p.add_argument("--until-settled", type=float, default=0.0, metavar="MAX_S",
+                   help="soak.py's: after --duration, go on up to MAX_S s in all until the run "
+                        "ends with --settle s of success")
     p.add_argument("--fault-at", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--request-timeout", type=float, default=60.0, help="the clients' timeout")
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                "--duration", str(args.duration), "--concurrency", str(args.concurrency), *fault,
                "--request-timeout", str(args.request_timeout), "--settle", str(args.settle),
                "--max-tokens", str(args.max_tokens), "--prompts", str(args.prompts),
+               "--until-settled", str(args.until_settled),
                *(["--out", args.out] if args.out else [])]
         watch = HealthWatch(router, time.monotonic() + args.fault_at)
         status = subprocess.run(cmd).returncode

@@ -18,7 +18,9 @@ checks, each of which makes the exit status non-zero:
 - every request started was accounted for (an answer or an error): none silently dropped;
 - every request ended within --request-timeout plus a 5 s margin: no client hangs;
 - the run ends with at least --settle seconds in which every request succeeded: after
-  recovery every request succeeds.
+  recovery every request succeeds. With --until-settled MAX_S the load goes on after
+  --duration until it does (up to MAX_S seconds in all), so that a slow recovery on a busy
+  machine is measured rather than cut off.
 The API key: --api-key or API_KEY, as the other load tools.
 """
 
@@ -75,10 +77,28 @@ def soak(args) -> dict:
     started = [0]
     lock = threading.Lock()
     t0 = time.monotonic()
-    stop_at = t0 + args.duration
+    cap = max(args.duration, args.until_settled or 0.0)
+    stopped_at: list[float] = []  # when the load stopped (seconds since t0), once it has
+
+    def keep_going() -> bool:
+        """--duration, then (--until-settled) on until the run ends with --settle s of success."""
+        now = time.monotonic() - t0
+        if stopped_at or now >= cap:
+            going = False
+        elif now < args.duration:
+            going = True
+        else:
+            with lock:
+                failures = [r.end for r in records if not r.ok]
+                last_ok = max((r.end for r in records if r.ok), default=None)
+            going = bool(failures) and (now - failures[-1] < args.settle or last_ok is None
+                                        or last_ok < failures[-1])
+        if not going and not stopped_at:
+            stopped_at.append(now)
+        return going
 
     def client():
-        while time.monotonic() < stop_at:
+        while keep_going():
             start = time.monotonic() - t0
             with lock:
                 body = bodies[started[0] % len(bodies)]
@@ -100,8 +120,11 @@ def soak(args) -> dict:
                               timeout=60)
         fault = {"at": round(at, 2), "cmd": args.fault_cmd, "status": proc.returncode,
                  "output": (proc.stdout + proc.stderr)[-500:]}
-    # A client ends its last request at most --request-timeout after stop_at (plus the margin).
-    deadline = stop_at + args.request_timeout + MARGIN_S
+    # A client ends its last request at most --request-timeout after the load stopped (plus the
+    # margin); the load stops by `cap` at the latest.
+    while not stopped_at and time.monotonic() - t0 < cap:
+        time.sleep(0.5)
+    deadline = t0 + (stopped_at[0] if stopped_at else cap) + args.request_timeout + MARGIN_S
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     hung_clients = sum(t.is_alive() for t in threads)
@@ -111,7 +134,7 @@ def soak(args) -> dict:
 def summarize(records: list[Record], started: int, hung_clients: int, fault: dict | None,
               args) -> dict:
     records = sorted(records, key=lambda r: r.end)
-    seconds = int(args.duration + args.request_timeout + MARGIN_S) + 1
+    seconds = int(max((r.end for r in records), default=0.0)) + 1
     per_second = [{"t": s, "ok": 0, "failed": 0} for s in range(seconds)]
     for r in records:
         per_second[min(int(r.end), seconds - 1)]["ok" if r.ok else "failed"] += 1
@@ -180,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retry-wait", type=float, default=0.5)
     p.add_argument("--settle", type=float, default=30.0,
                    help="seconds of success the run must end with")
+    p.add_argument("--until-settled", type=float, default=0.0, metavar="MAX_S",
+                   help="after --duration, go on (up to MAX_S seconds in all) until the run ends "
+                        "with --settle seconds of success: a slow recovery is then measured, "
+                        "not cut off")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--prompts", type=int, default=1, choices=range(1, 11), metavar="1..10",
@@ -197,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency must be 1 or more")
     if args.fault_cmd and not 0 <= args.fault_at < args.duration:
         p.error("--fault-at must fall within --duration")
+    if args.until_settled and args.until_settled < args.duration:
+        p.error("--until-settled must be at least --duration")
     if args.settle >= args.duration:
         p.error("--settle must be shorter than --duration")
     result = soak(args)

@@ -23,12 +23,14 @@ deployment with one server per role has no other to send them to), and some must
 that missed its server fails nothing). Replicas: none fails; the router sends them to the other
 replica (deploy/router-replicas.args has the retry spacing that makes it so).
 
-DURATION_S leaves room for a slow restart: 17-44 s after the kill for one TP=1 server on a
-quiet machine, 50-60 s for a two-node server (the figures in docs/pd.md), a CPU start taking
-twice as long beside other tests. In PD mode add up to 60 s: the router checks its workers
-every 60 s (its default), and a server that was down at a check is not sent to again until the
-next one. (A busy run, three test files at once: the prefill server was back 69 s after the
-kill, just after the router's check had found it down, and the 100 s run then ended in 503s.)
+The load runs DURATION_S, then on until the run ends with SETTLE_S of success (soak.py's
+--until-settled), up to MAX_S: the test asks that the deployment recover by itself, not that
+it do so within a fixed window, and a restart's length varies far more than the rest. It was
+17-44 s after the kill for one TP=1 server on a quiet machine, 50-60 s for a two-node server
+(docs/pd.md), and over 3 minutes with nine servers starting at once on two cores. In PD mode
+add up to 60 s: the router checks its workers every 60 s (its default), and a server that was
+down at a check gets nothing until the next one (a busy run: the prefill server back 69 s
+after the kill, just after a check, and a fixed 100 s run ended in 503s).
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ import pytest
 
 from sglang_farskip.testbed import REPO
 
-FAULT_AT_S, SETTLE_S = 5, 10
+FAULT_AT_S, SETTLE_S, MAX_S = 5, 10, 600
 CASES = {  # id: (router_soak.py arguments, DURATION_S, REQUEST_TIMEOUT_S)
-    "pd-decode-crash": (["--layout", "pd", "--fault", "decode0"], 150, 30),
-    "pd-prefill-crash": (["--layout", "pd", "--fault", "prefill"], 150, 30),
-    "pd-decode-node1-crash": (["--layout", "pd", "--nodes", "2", "--fault", "decode1"], 200, 30),
+    "pd-decode-crash": (["--layout", "pd", "--fault", "decode0"], 60, 30),
+    "pd-prefill-crash": (["--layout", "pd", "--fault", "prefill"], 60, 30),
+    "pd-decode-node1-crash": (["--layout", "pd", "--nodes", "2", "--fault", "decode1"], 60, 30),
     # A request on replica a when node 1 hangs waits until the watchdog ends node 0 (about 24 s:
     # two checks that time out), then is sent again: 30 s were seen, hence 60.
     "replica-node1-hang": (["--layout", "replicas", "--nodes", "2", "--fault", "a1", "--hang"], 60, 60),
@@ -59,8 +61,9 @@ def test_recovers_by_itself(case, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "router_soak.py"), *args,
          "--fault-at", str(FAULT_AT_S), "--duration", str(duration), "--settle", str(SETTLE_S),
+         "--until-settled", str(MAX_S),
          "--request-timeout", str(request_timeout), "--logs", str(tmp_path), "--out", str(out)],
-        capture_output=True, text=True, timeout=duration + request_timeout + 600)
+        capture_output=True, text=True, timeout=MAX_S + request_timeout + 600)
     print(proc.stdout[-2500:])
     logs = "".join(f"\n--- {log.name}:\n" + log.read_text(errors="replace")[-3000:]
                    for log in sorted(tmp_path.glob("router-soak-*.log")))
