@@ -77,7 +77,7 @@ def soak(args) -> dict:
     started = [0]
     lock = threading.Lock()
     t0 = time.monotonic()
-    cap = max(args.duration, args.until_settled or 0.0)
+    cap = max(args.duration, args.until_settled)
     stopped_at: list[float] = []  # when the load stopped (seconds since t0), once it has
 
     def keep_going() -> bool:
