@@ -83,7 +83,9 @@ def start_pd(stack: contextlib.ExitStack, name: str, mode: str, args, logs: Path
         kwargs["log_path"] = logs / f"{run_name.replace('/', '-')}.log"
     print(f"starting {name}: {', '.join(runs)}", file=sys.stderr, flush=True)
     servers = stack.enter_context(side_by_side(runs, timeout=START_TIMEOUT_S, serving=pd.serving(runs)))
-    router = stack.enter_context(pd.router(servers, name, bootstrap, log_path=logs / f"{name}-router.log"))
+    # A timed request is never cut and sent again (the tests' 20 s would under heavy load).
+    router = stack.enter_context(pd.router(servers, name, bootstrap, log_path=logs / f"{name}-router.log",
+                                           extra=["--request-timeout-secs", "600"]))
     return router.wait_ready().url
 
 

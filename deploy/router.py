@@ -7,8 +7,9 @@ It reads the environment (docs/deploy.md, "Variables read by deploy/router.py"),
 `error:` line per problem (exit 2), and starts `sglang_router.launch_router` in this process:
 - PD mode when PREFILL_URLS and DECODE_URLS are set (each prefill server's bootstrap port is
   BOOTSTRAP_PORT, the variable the prefill server's entrypoint reads);
-- plain mode over replicas when WORKER_URLS is set, with the flags of router-replicas.args
-  beside this file (the tests read the same file).
+- plain mode over replicas when WORKER_URLS is set;
+each with the health-check and retry flags of router.args beside this file (the tests read the
+same file).
 The API key: the router's --api-key is both what clients must send it (401 without) and what it
 sends the workers, so it is the workers' API_KEY, and it is given to the router in memory, never
 on a command line. --healthcheck asks GET /workers, not /health: in PD mode /health answers 200
@@ -40,12 +41,12 @@ DEFAULTS = {
     "ROUTER_REQUEST_TIMEOUT": "600",
     "FARSKIP_ALLOW_NO_API_KEY": "0",
 }
-REPLICA_ARGS = Path(__file__).resolve().with_name("router-replicas.args")
+ROUTER_ARGS = Path(__file__).resolve().with_name("router.args")
 URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}$")
 
 
-def replica_args(path: Path = REPLICA_ARGS) -> list[str]:
-    """The flags of router-replicas.args, in order."""
+def router_args(path: Path = ROUTER_ARGS) -> list[str]:
+    """The flags of router.args, in order."""
     return [word for line in path.read_text().splitlines()
             if line.strip() and not line.lstrip().startswith("#") for word in line.split()]
 
@@ -119,14 +120,14 @@ def check() -> tuple[list[str], str, list[str]]:
              # Its metrics listener (29000) stays on loopback: it is not the public port.
              "--prometheus-host", "127.0.0.1"]
     if workers:
-        flags += ["--worker-urls", *workers, *replica_args()]
+        flags += ["--worker-urls", *workers]
     else:
         flags.append("--pd-disaggregation")
         for url in prefill:
             flags += ["--prefill", url, setting("BOOTSTRAP_PORT")]
         for url in decode:
             flags += ["--decode", url]
-    flags += ["--request-timeout-secs", timeout, *extra]
+    flags += [*router_args(), "--request-timeout-secs", timeout, *extra]
     return flags, key, errors
 
 

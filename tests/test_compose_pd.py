@@ -10,7 +10,7 @@ router's published port, float32).
   401 without the key, greedy ids and logprobs of `/generate` against reference.py, a
   `/v1/completions` answered in full; each server's `/farskip/info` reports the FarSkip model
   and its `pd_role`, and the decode server ran no prefill batch (its KV came over Mooncake).
-- replicas-cpu: two demo servers behind the router in plain mode (deploy/router-replicas.args):
+- replicas-cpu: two demo servers behind the router in plain mode (deploy/router.args):
   the reference's ids through the router, FarSkip with `pd_role` "none" on each, and, once one
   replica's container is killed, the router dropping it within DROP_BOUND_S and serving on.
 `docker compose down` always, bounded; nothing is left behind.
@@ -42,7 +42,7 @@ API_KEY = "farskip-test-router-key"
 START_TIMEOUT_S = 600
 FARSKIP_CLASS = "FarSkipDeepseekV3ForCausalLM"
 # A dead replica leaves the router's rotation after two failed checks 2 s apart, each up to 5 s
-# (deploy/router-replicas.args): about 14 s at worst.
+# (deploy/router.args): about 14 s at worst.
 DROP_BOUND_S = 30
 
 
@@ -190,7 +190,7 @@ def test_replicas_profile_serves_and_survives_a_replica(request, replicas, refer
     for service in ("replica-a", "replica-b"):
         check_farskip(replicas.farskip_info(service), "none", tp=1, local_ranks=1)
     assert_reference(generate(replicas.url), reference)
-    # One replica's container killed: the router's health checks (deploy/router-replicas.args:
+    # One replica's container killed: the router's health checks (deploy/router.args:
     # every 2 s, two failures) drop it, and the other serves everything. Not asserted: requests
     # in the seconds before that. One of five runs here got a 500 ("error sending request for
     # url (http://replica-a:30000/generate)") right after the kill; the router's retries of it

@@ -1401,11 +1401,14 @@ def assert_pd_wiring(router_env: dict[str, str], prefill_argv: list[str], decode
 
 
 def test_router_builds_pd_and_replica_commands():
-    """PD: each prefill server with BOOTSTRAP_PORT, each decode server; replicas: the flags of
-    deploy/router-replicas.args, the file the tests' router reads too (one home); both: the
+    """PD: each prefill server with BOOTSTRAP_PORT, each decode server; replicas: the workers;
+    both: the flags of deploy/router.args, the file the tests' router reads too (one home), the
     request timeout, metrics on loopback, and the key nowhere on the command line."""
-    from sglang_farskip.testbed.router import REPLICA_FLAGS, TEST_REQUEST_TIMEOUT_S
+    from sglang_farskip.testbed.router import ROUTER_FLAGS, TEST_REQUEST_TIMEOUT_S
 
+    shared = ROUTER_FLAGS[:ROUTER_FLAGS.index("--request-timeout-secs")]
+    assert "--health-check-interval-secs" in shared and "--retry-max-retries" in shared
+    assert ROUTER_FLAGS[-2:] == ["--request-timeout-secs", str(TEST_REQUEST_TIMEOUT_S)]
     proc = router_check(PREFILL_URLS="http://10.0.0.1:30000", DECODE_URLS="http://10.0.0.2:30000,http://10.0.0.3:30000",
                         API_KEY=TEST_API_KEY, BOOTSTRAP_PORT="9000")
     assert proc.returncode == 0, proc.stderr
@@ -1413,13 +1416,12 @@ def test_router_builds_pd_and_replica_commands():
     assert pd[pd.index("--prefill"):pd.index("--prefill") + 3] == ["--prefill", "http://10.0.0.1:30000", "9000"]
     assert [pd[i + 1] for i, a in enumerate(pd) if a == "--decode"] == ["http://10.0.0.2:30000", "http://10.0.0.3:30000"]
     assert "--pd-disaggregation" in pd and "--worker-urls" not in pd
+    assert " ".join(shared) in " ".join(pd)
     assert flag(pd, "--request-timeout-secs") == "600" and flag(pd, "--prometheus-host") == "127.0.0.1"
     proc = router_check(WORKER_URLS="http://a:30000 http://b:30000", API_KEY=TEST_API_KEY, ROUTER_REQUEST_TIMEOUT="900")
     plain = shlex.split(proc.stdout)
     assert plain[plain.index("--worker-urls") + 1:][:2] == ["http://a:30000", "http://b:30000"]
-    replica = REPLICA_FLAGS[:REPLICA_FLAGS.index("--request-timeout-secs")]
-    assert " ".join(replica) in " ".join(plain) and flag(plain, "--request-timeout-secs") == "900"
-    assert REPLICA_FLAGS[-2:] == ["--request-timeout-secs", str(TEST_REQUEST_TIMEOUT_S)]
+    assert " ".join(shared) in " ".join(plain) and flag(plain, "--request-timeout-secs") == "900"
     for out in (proc.stdout + proc.stderr, " ".join(pd)):
         assert TEST_API_KEY not in out and "--api-key" not in out
 

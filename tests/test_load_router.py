@@ -131,7 +131,7 @@ def test_router_with_no_workers_is_one_clear_error(tmp_path):
 
 def test_worker_nobody_can_reach_is_one_clear_error(deployment, tmp_path):
     proxied, proxy = deployment["proxied"], deployment["proxy"]
-    proxy.close()  # the router still lists it: it checks its workers' health once a minute
+    proxy.close()  # the router still lists it (unhealthy once its checks notice: seen 15 s on)
     r = run_load("--url", proxied.url, "--endpoint", "generate", "--requests", "1", "--out", str(tmp_path),
                  timeout=60)
     line = _error_line(r)

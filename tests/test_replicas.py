@@ -1,4 +1,4 @@
-"""Replicas behind SGLang's router (plain mode, testbed/router.py's REPLICA_FLAGS): three demo
+"""Replicas behind SGLang's router (plain mode, testbed/router.py's ROUTER_FLAGS): three demo
 servers through our launcher (FarSkip overlap, CPU), one router over all three, and
 bench/soak.py's constant non-streaming load through the router while a replica fails:
 - crash: one replica's whole process tree SIGKILLed mid-run: no request fails (the router

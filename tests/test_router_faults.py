@@ -11,26 +11,24 @@ FAULT_AT_S in. The cases:
 What must hold (router_soak.py's exit status carries soak.py's checks and its own):
 - no request hangs: each ends within the clients' timeout (REQUEST_TIMEOUT_S) plus 5 s. After
   a decode crash the requests in flight would otherwise wait out the prefill server's bootstrap
-  timeout (300 s); the client's timeout is what bounds them, and it must be seen to;
+  timeout (300 s); the router's request timeout (testbed/router.py, 20 s) cuts them and sends
+  them again, and the client's timeout bounds the rest;
 - none is dropped unanswered;
-- the run ends with SETTLE_S seconds in which every request succeeded, and the router lists
-  every worker healthy: the watchdogs started the failed server (and its peer node) again and
-  the router sends to it, with no hand from outside. (In PD mode the router keeps its default
-  health checks, every 60 s, and does not notice an outage this short; over replicas it must
-  have listed the failed replica unhealthy and then healthy again.)
-PD: requests fail only when in flight at the crash or sent while the server was down (a PD
-deployment with one server per role has no other to send them to), and some must fail (a fault
-that missed its server fails nothing). Replicas: none fails; the router sends them to the other
-replica (deploy/router-replicas.args has the retry spacing that makes it so).
+- the router listed a worker unhealthy and then every worker healthy again (its health checks,
+  deploy/router.args, in both modes): the fault was felt, the watchdogs started the failed
+  server (and its peer node) again, and the router took it back, with no hand from outside;
+- the run ends with SETTLE_S seconds in which every request succeeded.
+PD: a request can fail only when in flight at the crash or sent while the server was down, and
+the router's retries (spread over 15 s) did not outlast the restart (a PD deployment with one
+server per role has no other to send them to); on a quiet machine none failed. Replicas: none
+fails; the router sends them to the other replica (deploy/router.args has the retry spacing
+that makes it so).
 
 The load runs DURATION_S, then on until the run ends with SETTLE_S of success (soak.py's
 --until-settled), up to MAX_S: the test asks that the deployment recover by itself, not that
 it do so within a fixed window, and a restart's length varies far more than the rest. It was
 17-44 s after the kill for one TP=1 server on a quiet machine, 50-60 s for a two-node server
-(docs/pd.md), and over 3 minutes with nine servers starting at once on two cores. In PD mode
-add up to 60 s: the router checks its workers every 60 s (its default), and a server that was
-down at a check gets nothing until the next one (a busy run: the prefill server back 69 s
-after the kill, just after a check, and a fixed 100 s run ended in 503s).
+(docs/pd.md), and over 3 minutes with nine servers starting at once on two cores.
 """
 
 from __future__ import annotations
@@ -72,13 +70,11 @@ def test_recovers_by_itself(case, tmp_path):
     result = json.loads(out.read_text())
     assert result["fault"]["status"] == 0, result["fault"]  # the signal found its victim
     assert all(result["checks"].values()), result["checks"]
+    # The router took the failed server out and back in (its health checks: ROUTER_FLAGS).
+    assert "(healed)" in proc.stdout, proc.stdout[-1000:]
     if case.startswith("replica"):
         assert result["failed"] == 0, result["errors"]
         # The hang was felt: a request was on replica a (soak.py's 8 prompts spread the load).
         assert result["longest_request_s"] > 10, result
-        # The router took the replica out and back in (its health checks: REPLICA_FLAGS).
-        assert "(healed)" in proc.stdout, proc.stdout[-1000:]
-    else:
-        assert result["failed"] > 0 and result["recovery_s"] is not None, result
     print(f"{case}: {result['failed']} of {result['requests']} failed, recovery "
           f"{result['recovery_s']} s, longest request {result['longest_request_s']} s")

@@ -42,20 +42,22 @@ def _deploy_router():
     return module
 
 
-# Plain mode over replicas: a dead worker dropped within seconds, a live one never. The flags
-# and their reasons live in deploy/router-replicas.args, which the router image reads too
-# (deploy/router.py); only the request timeout is the tests' own. It bounds every request, so a
-# deployment sets it above its longest one (ROUTER_REQUEST_TIMEOUT, docs/pd.md); here requests
-# are 4 tokens on CPU (well under 1 s), and a client of the tests waits 60 s: a request sent to
-# a hung replica is re-sent after 20 s.
+# Both modes: a dead worker dropped within seconds, a live one never. The flags and their
+# reasons live in deploy/router.args, which the router image reads too (deploy/router.py); only
+# the request timeout is the tests' own. It bounds every request, so a deployment sets it above
+# its longest one (ROUTER_REQUEST_TIMEOUT, docs/pd.md); the tests' requests are at most 8 tokens
+# of the demo model on CPU (a few seconds on busy cores), and their clients wait 30 s or more: a
+# request sent to a hung replica, or in flight on a PD pair whose decode server died (its
+# prefill server would wait 300 s for it), is re-sent after 20 s. A benchmark passes a longer
+# one in `extra`, so that no request it times is cut and sent again.
 TEST_REQUEST_TIMEOUT_S = 20
-REPLICA_FLAGS = [*_deploy_router().replica_args(), "--request-timeout-secs", str(TEST_REQUEST_TIMEOUT_S)]
+ROUTER_FLAGS = [*_deploy_router().router_args(), "--request-timeout-secs", str(TEST_REQUEST_TIMEOUT_S)]
 
 
 class Router(HttpProcess):
     """`launch_router --pd-disaggregation` when `prefill` ([(url, bootstrap port)]) and `decode`
-    ([url]) are given; plain mode over `workers` ([url], replicas) with REPLICA_FLAGS otherwise.
-    `extra` flags come last (argparse keeps the last of a repeated flag)."""
+    ([url]) are given; plain mode over `workers` ([url], replicas) otherwise; ROUTER_FLAGS in
+    both. `extra` flags come last (argparse keeps the last of a repeated flag)."""
 
     def __init__(self, prefill: list[tuple[str, int]] = (), decode: list[str] = (), *,
                  workers: list[str] = (), extra: list[str] = (), log_path: Path | None = None):
@@ -68,14 +70,14 @@ class Router(HttpProcess):
                # Its metrics listener has a fixed default port (29000): one per router.
                "--prometheus-port", str(free_port())]
         if workers:
-            cmd += ["--worker-urls", *workers, *REPLICA_FLAGS]
+            cmd += ["--worker-urls", *workers]
         else:
             cmd.append("--pd-disaggregation")
         for url, bootstrap_port in prefill:
             cmd += ["--prefill", url, str(bootstrap_port)]
         for url in decode:
             cmd += ["--decode", url]
-        cmd += list(extra)
+        cmd += [*ROUTER_FLAGS, *extra]
         # Not this process's environment: PYTHONPATH and the like point into SGLang's venv.
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         super().__init__(port, cmd, env, log_path or Path(f"/tmp/farskip-test-router-{port}.log"))
