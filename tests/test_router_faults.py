@@ -20,7 +20,7 @@ What must hold (router_soak.py's exit status carries soak.py's checks and its ow
 - the run ends with SETTLE_S seconds in which every request succeeded.
 PD: a request can fail only when in flight at the crash or sent while the server was down, and
 the router's retries (spread over 15 s) did not outlast the restart (a PD deployment with one
-server per role has no other to send them to); on a quiet machine none failed. Replicas: none
+server per role has no other to send them to); on a quiet machine none failed at TP=1. Replicas: none
 fails; the router sends them to the other replica (deploy/router.args has the retry spacing
 that makes it so).
 
