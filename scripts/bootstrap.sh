@@ -84,9 +84,14 @@ fi
 pip_install -r "$root/requirements/pd-cpu.txt" -c "$root/requirements/cpu.txt" -c "$root/requirements/tools.txt"
 pip_install --no-deps -e "$root"
 
-# The stand-in goes *after* site-packages on sys.path, so a real sgl_kernel always wins.
+# The stand-in goes *after* site-packages on sys.path, so a real sgl_kernel always wins. With
+# FARSKIP_CPU_AMX_TWINS=1 (tests only) every process also imports it at start-up: its twins then
+# stand in for AMX tiles too, before SGLang reads torch's tile check at import
+# (python/cpu_shim/sgl_kernel/amx.py says why).
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-echo "$root/python/cpu_shim" > "$site/zz_sglang_farskip_cpu_shim.pth"
+printf '%s\n%s\n' "$root/python/cpu_shim" \
+  'import os; os.environ.get("FARSKIP_CPU_AMX_TWINS") == "1" and __import__("sgl_kernel")' \
+  > "$site/zz_sglang_farskip_cpu_shim.pth"
 
 # Edits to SGLang that no plugin can make (patches/README.md); fails loudly if one is stale.
 "$venv/bin/python" -m sglang_farskip.tools.patches apply >&2

@@ -337,6 +337,12 @@ def register() -> None:
         lib.define(schema)
         lib.impl(name, _announced(name, fn), "CompositeExplicitAutograd")
     _library = lib  # kept alive: dropping the Library object would unregister the ops
+    # The twins are plain PyTorch and need no AMX tiles, so they stand in for the tiles too.
+    # SGLang's AMX path also asks torch whether the CPU has them (utils/common.py reads
+    # torch.cpu._is_amx_tile_supported() once, at import; scripts/bootstrap.sh's .pth imports
+    # this package first when the twins are on), and on a CPU without them (an AMD EPYC CI
+    # machine) the twins were registered and never called.
+    torch.cpu._is_amx_tile_supported = lambda: True
     from sgl_kernel import MissingKernel  # the package's own raising stand-in
 
     namespace = torch.ops.sgl_kernel
