@@ -4,9 +4,9 @@ admission.py, admin.py): each hostile request below, sent with the inference key
 after and still serves. The admin routes answer 403 to the inference key, 401 to no key, and
 serve the admin key; a server with no admin key answers 403 to everyone.
 
-Without admission.install() in the launcher, the first case ends the server (topk out of range
-in the scheduler), and the test fails there; with admin.require_admin_key() removed, the
-inference key gets 200 from /pause_generation.
+Without admission.py's rows in python/sglang_farskip/boundary/table.py, the first case ends the
+server (topk out of range in the scheduler), and the test fails there; without admin.py's rows,
+the inference key gets 200 from /pause_generation.
 """
 
 from __future__ import annotations
@@ -154,12 +154,12 @@ def test_limits_are_exact(servers):
 
 
 def admin_routes() -> list[tuple[str, str]]:
-    """(method, path) of every admin route, as the launcher marks them on SGLang's app."""
+    """(method, path) of every admin route of SGLang's app, as the launcher's hooks rate them."""
     from sglang.srt.entrypoints.http_server import app
 
-    from sglang_farskip.serve.admin import require_admin_key
+    from sglang_farskip.serve import admin
 
-    paths = set(require_admin_key(app))
+    paths = set(admin.admin_routes(app))
     routes = [(method, r.path) for r in app.routes if getattr(r, "path", None) in paths
               for method in sorted((getattr(r, "methods", None) or set()) - {"HEAD"})]
     return sorted(routes)

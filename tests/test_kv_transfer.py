@@ -18,9 +18,9 @@ def manager_class():
     from sglang.srt.disaggregation.common.conn import CommonKVManager
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_farskip.serve import kv_transfer
+    from sglang_farskip import boundary
 
-    kv_transfer.install()  # what plugin.register() does in every process SGLang starts
+    boundary.install("every")  # what plugin.register() does in every process SGLang starts
     HookRegistry.apply_hooks()
     return CommonKVManager
 

@@ -18,9 +18,11 @@ calls in plain PyTorch (an explicit float32 softmax, per request).
 
 Upstream's own code runs in between: the latent is still written to the compressed cache by
 `forward_normal_prepare`, decode still reads it absorbed. Two GPU kernels on that path get CPU
-twins, installed by rebinding a module attribute that upstream looks up at call time: the
-chunk-index builder and `merge_state` (installed on CPU runs only; for a non-CPU tensor they
-would still call upstream's kernel).
+twins (rows of sglang_farskip/boundary/table.py, installed on CPU runs only; for a non-CPU tensor
+they still call upstream's kernel): `merge_state` through an AROUND hook, and the chunk-index
+builder, a Triton kernel, by replacing the module attribute upstream looks up at call time.
+The torch_native MLA handler (`handle_attention_torch_native`) and the chunked-prefix backend
+list entry are registry rows of the same table.
 
 Evidence, when `--farskip-cpu-attention` is given: every rank counts the method chosen for
 layer 0 (once per forward) and, for each chunked-prefix forward, its number of prefix chunks,
@@ -178,7 +180,7 @@ def merge_state_cpu(prefix_output, prefix_lse, suffix_output, suffix_lse, output
     return output, output_lse
 
 
-class _ChunkIndicesOnCpu:
+class ChunkIndicesOnCpu:
     """`create_chunked_prefix_cache_kv_indices[grid](...)`, a Triton kernel, with a PyTorch
     twin for CPU tensors: the cache slots of prefix positions [start, start+len) of each request."""
 
@@ -195,33 +197,8 @@ class _ChunkIndicesOnCpu:
         return launch
 
 
-def install() -> None:
-    """Handler and the two twins; every SGLang process (plugin load). Idempotent."""
-    from sglang.srt.arg_groups.choices import (
-        CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS,
-        add_chunked_prefix_cache_attention_backend,
-    )
-    from sglang.srt.layers.attention import merge_state
-    from sglang.srt.model_executor import forward_batch_deepseek_mha_mixin as mha_mixin
-    from sglang.srt.models.deepseek_common import attention_backend_handler as abh
-
-    abh.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
-    # The backend class is registered once, by environment.apply_cpu_fixes (spec.backend_class).
-    # Model loading switches the chunked-prefix path off for backends not on this list
-    # (misc_utils.maybe_disable_chunked_prefix_cache); out-of-tree backends join it this way.
-    if "torch_native" not in CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS:
-        add_chunked_prefix_cache_attention_backend("torch_native")
-
-    upstream_merge = merge_state.merge_state
-    if not getattr(upstream_merge, "_farskip_cpu", False):
-        def merge_state_any(prefix_output, *args, **kwargs):
-            if prefix_output.device.type == "cpu":
-                return merge_state_cpu(prefix_output, *args, **kwargs)
-            return upstream_merge(prefix_output, *args, **kwargs)
-
-        merge_state_any._farskip_cpu = True
-        merge_state.merge_state = merge_state_any  # forward_mha imports it at call time
-    if not isinstance(mha_mixin.create_chunked_prefix_cache_kv_indices, _ChunkIndicesOnCpu):
-        mha_mixin.create_chunked_prefix_cache_kv_indices = _ChunkIndicesOnCpu(
-            mha_mixin.create_chunked_prefix_cache_kv_indices
-        )
+def merge_state_any_device(original, prefix_output, *args, **kwargs):
+    """AROUND merge_state (forward_mha imports it at call time): the PyTorch twin on CPU."""
+    if prefix_output.device.type == "cpu":
+        return merge_state_cpu(prefix_output, *args, **kwargs)
+    return original(prefix_output, *args, **kwargs)

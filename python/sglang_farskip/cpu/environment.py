@@ -161,30 +161,17 @@ _applied = False
 
 
 def apply_cpu_fixes() -> None:
-    """Install the two upstream fixes. Idempotent; harmless on GPU (both touch CPU-only
-    code paths), but only called when SGLang runs on CPU."""
+    """Install the table's "cpu" rows (sglang_farskip/boundary/table.py): the fixes above and
+    the torch_native attention paths. Idempotent; harmless on GPU (they touch CPU-only code
+    paths), but only called when SGLang runs on CPU."""
     global _applied
     if _applied:
         return
-    from sglang.srt.layers.attention.attention_registry import register_attention_backend
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from sglang_farskip.cpu import attention, fp8, pd, spec
+    from sglang_farskip import boundary
 
     if multiprocessing.parent_process() is None:  # the launching process (with SGLang's own CLI)
         one_thread_until_workers_start()
-    attention.install()
-    spec.install()
-    # One torch_native backend, registered once: upstream's, plus MLA dispatch and MHA prefill
-    # (attention.py), plus target verify and draft decode (spec.py).
-    backend = spec.backend_class()
-    register_attention_backend("torch_native")(lambda runner: backend(runner))
-    fp8.install()
-    pd.install()
-    _make_native_moe_skip_foreign_experts()
-    _make_reduce_scatterv_work_without_pynccl()
-    HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config",
-                          _start_workers_as_chosen, HookType.AFTER)
+    boundary.install("cpu")
     _applied = True
     logger.info("sglang_farskip: CPU fixes applied (torch_native MLA dispatch and MHA prefill, "
                 "speculative verify and draft decode, EP>1 native MoE, reduce-scatterv on gloo, "
@@ -210,7 +197,7 @@ def one_thread_until_workers_start() -> None:
     os.register_at_fork(after_in_child=lambda: torch.set_num_threads(_worker_threads))
 
 
-def _start_workers_as_chosen(result, server_args, *args, **kwargs):
+def start_workers_as_chosen(result, server_args, *args, **kwargs):
     """AFTER upstream's "spawn" (see the module docstring): fork where that is safe."""
     from sglang_farskip import options
 
@@ -228,55 +215,36 @@ def _start_workers_as_chosen(result, server_args, *args, **kwargs):
     return result
 
 
-def _make_native_moe_skip_foreign_experts() -> None:
-    from sglang.srt.layers.moe import fused_moe_native
-
-    upstream = fused_moe_native.moe_forward_native
-    if getattr(upstream, "_farskip_wrapped", False):
-        return
-
-    def moe_forward_native(layer, x, topk_output, moe_runner_config):
-        ids, weights, logits = topk_output.topk_ids, topk_output.topk_weights, topk_output.router_logits
-        if not bool((ids < 0).any()):
-            return upstream(layer, x, topk_output, moe_runner_config)
-        # Upstream counts experts per token with a scatter that collapses repeated ids, so a
-        # foreign slot cannot simply be pointed at a local expert. Run upstream once per top-k
-        # slot instead (one id per token: no repeats), on the tokens whose slot is local.
-        out = torch.zeros_like(x)  # [T, H]
-        for j in range(ids.shape[1]):
-            own = ids[:, j] >= 0  # [T]
-            if not bool(own.any()):
-                continue
-            slot = topk_output._replace(
-                topk_ids=ids[own, j : j + 1],  # [T_own, 1]
-                topk_weights=weights[own, j : j + 1],
-                router_logits=None if logits is None else logits[own],
-            )
-            out[own] += upstream(layer, x[own], slot, moe_runner_config).to(out.dtype)
-        return out
-
-    moe_forward_native._farskip_wrapped = True
-    # unquant.py imports the function at call time, so rebinding the module attribute is seen.
-    fused_moe_native.moe_forward_native = moe_forward_native
+def native_moe_skipping_foreign_experts(original, layer, x, topk_output, moe_runner_config):
+    """AROUND fused_moe_native.moe_forward_native (unquant.py and cpu/fp8.py look it up at call
+    time): with EP > 1, the ids of other ranks' experts arrive as -1."""
+    ids, weights, logits = topk_output.topk_ids, topk_output.topk_weights, topk_output.router_logits
+    if not bool((ids < 0).any()):
+        return original(layer, x, topk_output, moe_runner_config)
+    # Upstream counts experts per token with a scatter that collapses repeated ids, so a
+    # foreign slot cannot simply be pointed at a local expert. Run upstream once per top-k
+    # slot instead (one id per token: no repeats), on the tokens whose slot is local.
+    out = torch.zeros_like(x)  # [T, H]
+    for j in range(ids.shape[1]):
+        own = ids[:, j] >= 0  # [T]
+        if not bool(own.any()):
+            continue
+        slot = topk_output._replace(
+            topk_ids=ids[own, j : j + 1],  # [T_own, 1]
+            topk_weights=weights[own, j : j + 1],
+            router_logits=None if logits is None else logits[own],
+        )
+        out[own] += original(layer, x[own], slot, moe_runner_config).to(out.dtype)
+    return out
 
 
-def _make_reduce_scatterv_work_without_pynccl() -> None:
-    """DP attention with EP (attention DP size = TP = EP) returns the MoE output with
-    `GroupCoordinator.reduce_scatterv` (layers/layer_boundary/exit.py), which insists on pynccl.
-    A CPU run has none (cpu_base_environment points SGLang away from torch's bundled NCCL), so
-    there it runs upstream's own rank-independent variant: all-reduce over the group, keep this
-    rank's rows. Same sum, more bytes; CPU only."""
-    from sglang.srt.distributed.parallel_state import GroupCoordinator
-
-    upstream = GroupCoordinator.reduce_scatterv
-    if getattr(upstream, "_farskip_wrapped", False):
-        return
-
-    def reduce_scatterv(self, input_, output=None, sizes=None):
-        pynccl = self.pynccl_comm
-        if input_.device.type == "cpu" and (pynccl is None or not hasattr(pynccl, "device")):
-            return self._deterministic_reduce_scatterv(input_, output, sizes)
-        return upstream(self, input_, output, sizes)
-
-    reduce_scatterv._farskip_wrapped = True
-    GroupCoordinator.reduce_scatterv = reduce_scatterv
+def reduce_scatterv_without_pynccl(original, self, input_, output=None, sizes=None):
+    """AROUND GroupCoordinator.reduce_scatterv. DP attention with EP (attention DP size = TP =
+    EP) returns the MoE output with it (layers/layer_boundary/exit.py), and it insists on
+    pynccl. A CPU run has none (cpu_base_environment points SGLang away from torch's bundled
+    NCCL), so there it runs upstream's own rank-independent variant: all-reduce over the group,
+    keep this rank's rows. Same sum, more bytes; CPU only."""
+    pynccl = self.pynccl_comm
+    if input_.device.type == "cpu" and (pynccl is None or not hasattr(pynccl, "device")):
+        return self._deterministic_reduce_scatterv(input_, output, sizes)
+    return original(self, input_, output, sizes)

@@ -16,8 +16,9 @@ absorbed MLA, which SGLang's loader itself requantizes per tensor on CPU (fp8.py
 Activations are not quantized (GPU kernels quantize them per 128 channels): the CPU path is
 for checking FarSkip's wiring and serving small models, not for matching GPU FP8 bit for bit.
 
-Installed by `install()` (plugin load, CPU runs only) as an AFTER hook on
-`Fp8Config.get_quant_method`; a CPU where SGLang's AMX path is available keeps upstream's.
+Installed as an AFTER hook on `Fp8Config.get_quant_method` (a row of
+sglang_farskip/boundary/table.py: plugin load, CPU runs only); a CPU where SGLang's AMX path is
+available keeps upstream's (`without_amx`).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class Fp8MoEMethod(upstream.Fp8MoEMethod):
         return StandardCombineInput(hidden_states=out)
 
 
-def _torch_native_methods(method, config, layer, *args, **kwargs):
+def torch_native_methods(method, config, layer, *args, **kwargs):
     """AFTER `Fp8Config.get_quant_method`: upstream's block-FP8 methods -> ours (exact types, so
     the FP4-expert and NPU variants upstream derives from them are never swapped)."""
     if not getattr(method, "block_quant", False):
@@ -96,11 +97,8 @@ def _torch_native_methods(method, config, layer, *args, **kwargs):
     return method
 
 
-def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+def without_amx() -> bool:
+    """Whether the hook is installed: where SGLang's AMX path is available it serves FP8 itself."""
     from sglang.srt.utils.common import cpu_has_amx_support
 
-    if cpu_has_amx_support():
-        return  # SGLang's own AMX kernels serve FP8 here
-    HookRegistry.register("sglang.srt.layers.quantization.fp8.Fp8Config.get_quant_method",
-                          _torch_native_methods, HookType.AFTER)
+    return not cpu_has_amx_support()

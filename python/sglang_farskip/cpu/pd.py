@@ -3,7 +3,7 @@
 SGLang moves the KV cache from a prefill server to a decode server with Mooncake's transfer
 engine (`--disaggregation-transfer-backend mooncake`, the default). On a machine without a GPU
 the launcher sets up what that needs (`pd_environment`, applied with setdefault semantics like
-the rest of the CPU environment), and the plugin fixes one CUDA-only call (`install`):
+the rest of the CPU environment), and the plugin fixes one CUDA-only call (`host_indices_without_device`):
 
 - Mooncake's TCP transport (`MC_FORCE_TCP=1`): the CPU wheel (`mooncake-transfer-engine-non-cuda`)
   is tested here over TCP only. SGLang's default protocol is "rdma"; with no RDMA device Mooncake
@@ -79,7 +79,7 @@ def check(resolved) -> None:
                         "which a CPU server does not have: drop the flag (on both servers)")
 
 
-def _host_indices_without_device(result, sender, *args, **kwargs):
+def host_indices_without_device(result, sender, *args, **kwargs):
     """AFTER MooncakeKVSender.__init__, on CPU: this sender takes the page indices as a numpy array.
 
     Mooncake's sender declares `supports_host_tensor_indices`, so the prefill scheduler hands it
@@ -94,18 +94,3 @@ def _host_indices_without_device(result, sender, *args, **kwargs):
     the two servers: a CPU-only side effect has no business changing that protocol."""
     sender.supports_host_tensor_indices = False
     return result
-
-
-_installed = False
-
-
-def install() -> None:
-    """Register the hook (plugin load, CPU runs only). Idempotent."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register("sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.__init__",
-                          _host_indices_without_device, HookType.AFTER)
-    _installed = True

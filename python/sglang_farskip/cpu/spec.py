@@ -22,7 +22,8 @@ torch-native twins in the sgl_kernel stand-in, python/cpu_shim/sgl_kernel/specul
    and head) ends in `torch.cuda.synchronize()`, which raises without a CUDA driver; on CPU the
    hook below does the same swap without it.
 
-Installed by `cpu_support.apply_cpu_fixes` (every SGLang process of a CPU run, plugin load).
+The hooks and the backend are rows of sglang_farskip/boundary/table.py, installed on CPU runs
+(every SGLang process, plugin load).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class TorchNativeMultiStepDraftBackend:
 
 
 # ----------------------------------------------------------------- hooks
-def _draft_backends_with_torch_native(original, factory, backend_name, backend_map, error_template,
+def draft_backends_with_torch_native(original, factory, backend_name, backend_map, error_template,
                                       stamps_children=False):
     """AROUND DraftBackendFactory._create_backend: its backend tables are built per call, so
     torch_native joins them here. `stamps_children` marks the multi-step decode table."""
@@ -197,7 +198,7 @@ def _draft_backends_with_torch_native(original, factory, backend_name, backend_m
     return original(factory, backend_name, backend_map, error_template, stamps_children)
 
 
-def _set_embed_and_head_on_cpu(original, model, embed, head):
+def set_embed_and_head_on_cpu(original, model, embed, head):
     """AROUND DeepseekV2ForCausalLM.set_embed_and_head: upstream's swap, minus the CUDA
     cache release and synchronize that have nothing to do on CPU and raise without a driver."""
     if embed.device.type != "cpu":
@@ -208,19 +209,7 @@ def _set_embed_and_head_on_cpu(original, model, embed, head):
     model.lm_head.weight = head
 
 
-_installed = False
-
-
-def install() -> None:
-    """The two hooks (draft backends, embed/head on CPU). Idempotent; every SGLang process of a
-    CPU run. The backend itself is registered by environment.apply_cpu_fixes."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register("sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend",
-                          _draft_backends_with_torch_native, HookType.AROUND)
-    HookRegistry.register("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head",
-                          _set_embed_and_head_on_cpu, HookType.AROUND)
-    _installed = True
+def torch_native_backend(model_runner):
+    """The factory SGLang's attention registry calls for "torch_native" on CPU (a registry row of
+    sglang_farskip/boundary/table.py): one backend class for every path above."""
+    return backend_class()(model_runner)

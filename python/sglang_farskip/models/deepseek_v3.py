@@ -43,7 +43,7 @@ from sglang.srt.models.deepseek_v2 import (
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import BumpAllocator, use_intel_amx_backend
 
-from sglang_farskip import options, parallel, schedule
+from sglang_farskip import boundary, options, parallel, schedule
 from sglang_farskip.comm import Communicator
 from sglang_farskip.config import FarSkipConfig, FarSkipMode, is_moe_layer
 from sglang_farskip.schedule import LayerWiring
@@ -95,7 +95,7 @@ class _ServedLayer:
         return self.layer.mlp(y, self.step.forward_batch)
 
     def shared_experts(self, y):
-        return _shared_experts(self.layer.mlp, y)
+        return shared_experts(self.layer.mlp, y)
 
     def routed_experts(self, y):
         return _routed_experts(self.layer.mlp, y)
@@ -159,7 +159,7 @@ def _local_attention(layer, h: torch.Tensor, step: Step) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _shared_experts(moe: DeepseekV2MoE, y: torch.Tensor) -> torch.Tensor:
+def shared_experts(moe: DeepseekV2MoE, y: torch.Tensor) -> torch.Tensor:
     """Shared-expert partial; zeros without shared experts or for an empty batch, because every
     rank must still issue the same collectives."""
     s = moe._forward_shared_experts(y) if moe.shared_experts is not None else None
@@ -173,7 +173,7 @@ def _routed_experts(moe: DeepseekV2MoE, y: torch.Tensor) -> torch.Tensor:
         # forward_cpu()'s tensor there, shared + routed merged by one kernel, and ignores
         # skip_shared_experts and return_moe_output. So the routed half is computed here, as
         # forward_cpu does it up to that kernel, with the scale the merge would apply;
-        # _shared_experts' MLP runs on that path as it is.
+        # shared_experts' MLP runs on that path as it is.
         if y.shape[0] == 0:
             return torch.zeros_like(y)
         topk_output = moe.topk(y, moe.gate(y))
@@ -211,7 +211,7 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         tp_rank = get_parallel().tp_rank
         mode, comm_backend = FarSkipMode.OFF, "sglang"
         if active:
-            self.model.__class__ = FarSkipDeepseekV2Model
+            boundary.swap_class(self.model, FarSkipDeepseekV2Model)  # upstream builds it by name
             self.model.wiring = [
                 LayerWiring(
                     attn_skips_prev_routed=farskip.attn_skips_prev_routed(k),

@@ -30,6 +30,7 @@ import torch
 from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
 
+from sglang_farskip import boundary
 from sglang_farskip.errors import UserError
 from sglang_farskip.checkpoint import GATE_KEY, gate_problems, gated_attention
 from sglang_farskip.models.deepseek_v3 import FarSkipDeepseekV3ForCausalLM
@@ -94,8 +95,9 @@ def _add_gate(attn: DeepseekV2AttentionMLA, config, prefix: str) -> None:
         prefix=prefix,
         parallel_group="attn_tp",  # the heads' split: q_proj, kv_b_proj and o_proj use it too
     )
-    attn.o_proj.__class__ = GatedOProj
-    attn.__class__ = GatedMLA
+    # Upstream builds both by name; only these instances change (boundary/table.py says why).
+    boundary.swap_class(attn.o_proj, GatedOProj)
+    boundary.swap_class(attn, GatedMLA)
 
 
 class InstellaMoEForCausalLM(FarSkipDeepseekV3ForCausalLM):

@@ -11,8 +11,8 @@ there one request from any key holder ends the server (and, deployed, restarts b
   for more work than the server does in hours (n=100000 wedged the demo server).
 Each is answered here with a 400 naming the field the client sent, its value and the limit.
 
-Where it runs (SGLang's hook registry, no patch): the HTTP process only (`install()`, called by
-the launcher), at three points:
+Where it runs (SGLang's hook registry, no patch; rows of sglang_farskip/boundary/table.py): the
+HTTP process only (the launcher installs them after `configure()`), at these points:
 1. `TokenizerManager.generate_request` (BEFORE): every route that generates passes here, before
    SGLang expands `n` or tokenizes; a ValueError is SGLang's own 400 on non-streaming routes,
    an in-stream error on streaming ones;
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from sglang_farskip.errors import UserError
 
 # SGLang's field -> what an OpenAI client calls it (completions; chat differs in one name).
 COMPLETION_NAMES = {"top_logprobs_num": "logprobs", "max_new_tokens": "max_tokens", "input_ids": "prompt"}
@@ -126,7 +125,7 @@ def check(obj: Any, *, vocab_size: int, context_len: int, limits: Any, names: Op
 
 
 # ---------------------------------------------------------------- the hooks (HTTP process)
-_limits: Any = None  # options.RuntimeOptions, set by install()
+_limits: Any = None  # options.RuntimeOptions, set by configure()
 
 
 def _model(tokenizer_manager) -> dict:
@@ -134,7 +133,7 @@ def _model(tokenizer_manager) -> dict:
             "context_len": tokenizer_manager.context_len}
 
 
-def _before_generate(self, obj, *args, **kwargs):
+def before_generate(self, obj, *args, **kwargs):
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     if isinstance(obj, GenerateReqInput):
@@ -157,7 +156,7 @@ def _openai_check(names: dict):
     return after_convert
 
 
-def _detokenize_check(result, self, request, *args, **kwargs):
+def detokenize_check(result, self, request, *args, **kwargs):
     """AFTER OpenAIServingDetokenize._convert_to_internal_request: ids the tokenizer cannot
     decode (a 500 from SGLang otherwise) are the client's error."""
     tokens = request.tokens if isinstance(request.tokens, list) else []
@@ -169,7 +168,7 @@ def _detokenize_check(result, self, request, *args, **kwargs):
     return None
 
 
-async def _around_serve_generate(original, obj, request, *args, **kwargs):
+async def around_serve_generate(original, obj, request, *args, **kwargs):
     from sglang.srt.entrypoints import http_server
 
     try:
@@ -179,29 +178,12 @@ async def _around_serve_generate(original, obj, request, *args, **kwargs):
     return await original(obj, request, *args, **kwargs)
 
 
-_HOOKS = [
-    ("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request", _before_generate, "BEFORE"),
-    ("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._convert_to_internal_request",
-     _openai_check(COMPLETION_NAMES), "AFTER"),
-    ("sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request",
-     _openai_check(CHAT_NAMES), "AFTER"),
-    ("sglang.srt.entrypoints.http_server.serve_generate_request", _around_serve_generate, "AROUND"),
-    ("sglang.srt.entrypoints.openai.serving_tokenize.OpenAIServingDetokenize._convert_to_internal_request",
-     _detokenize_check, "AFTER"),
-]
+completion_check = _openai_check(COMPLETION_NAMES)
+chat_check = _openai_check(CHAT_NAMES)
 
 
-def install(limits: Any) -> None:
-    """Launcher only, in the process that serves HTTP, before the server starts; `limits`:
+def configure(limits: Any) -> None:
+    """Launcher only, in the process that serves HTTP, before it installs the hooks; `limits`:
     the launcher's RuntimeOptions (max_logprobs, max_n, max_request_tokens)."""
     global _limits
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     _limits = limits
-    for target, hook, kind in _HOOKS:
-        HookRegistry.register(target, hook, HookType[kind])
-    HookRegistry.apply_hooks()  # the plugins' hooks are applied already; this applies these
-    missing = [target for target, _, _ in _HOOKS if target not in HookRegistry._patched]
-    if missing:
-        raise UserError(f"could not hook SGLang's request path at {missing} (see 'Failed to apply hooks' "
-                        "above): this sglang_farskip supports sglang 0.5.23 only")

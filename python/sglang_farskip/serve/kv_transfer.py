@@ -30,11 +30,9 @@ import logging
 
 logger = logging.getLogger("sglang_farskip.serve.kv_transfer")
 
-CHECK_STATUS = "sglang.srt.disaggregation.common.conn.CommonKVManager.check_status"
-
-
-def _missing_room_is_failed(original, manager, bootstrap_room, *args, **kwargs):
-    """AROUND CommonKVManager.check_status."""
+def missing_room_is_failed(original, manager, bootstrap_room, *args, **kwargs):
+    """AROUND CommonKVManager.check_status (every SGLang process, every device; the plugin
+    installs it from sglang_farskip/boundary/table.py)."""
     try:
         return original(manager, bootstrap_room, *args, **kwargs)
     except KeyError:
@@ -42,17 +40,3 @@ def _missing_room_is_failed(original, manager, bootstrap_room, *args, **kwargs):
 
         logger.debug("KV transfer: room %s was already forgotten; answering Failed", bootstrap_room)
         return KVPoll.Failed
-
-
-_installed = False
-
-
-def install() -> None:
-    """Register the hook (every SGLang process, every device). Idempotent."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(CHECK_STATUS, _missing_room_is_failed, HookType.AROUND)
-    _installed = True

@@ -441,13 +441,14 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     from sglang_farskip.serve.refusals import unsupported, uses_side_stream
     from sglang_farskip.serve.status import pd_role
     from sglang_farskip.options import publish
-    from sglang_farskip.serve.plugin import unregistered
+    from sglang_farskip.serve import plugin
 
     load_plugins()
-    if unregistered():
+    if plugin.missing():
         raise UserError(
-            f"the sglang_farskip plugin did not register {unregistered()} (SGLang swallowed the "
-            "error; see the log above): reinstall with scripts/bootstrap.sh or `pip install --no-deps -e .`"
+            f"the sglang_farskip plugin did not put in place {plugin.missing()} (SGLang swallowed the "
+            "error; see the log above): reinstall with scripts/bootstrap.sh or `pip install --no-deps -e .`; "
+            "after an SGLang upgrade run `python -m sglang_farskip.boundary check`"
         )
     try:
         server_args = prepare_server_args(argv)
@@ -573,20 +574,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from sglang.srt.entrypoints.http_server import app
 
-    from sglang_farskip import options
+    from sglang_farskip import boundary, options
     from sglang_farskip.serve import admission, admin
 
     resolved = resolving_view(server_args)
     status_dir = os.environ[ENV_STATUS]
     _add_info_route(status_dir, info)
-    admin_routes = admin.require_admin_key(app)
+    # The HTTP process's rows of the boundary table: request admission and the admin key. Before
+    # SGLang starts serving: it decides then whether to install its key middleware.
+    admission.configure(options.current())
+    boundary.install("http")
+    boundary.apply()
+    if boundary.missing("http"):
+        return fail(UserError(
+            f"could not hook SGLang's HTTP server at {boundary.missing('http')} (see 'Failed to apply "
+            "hooks' above): this sglang_farskip supports sglang 0.5.23 only; after an SGLang upgrade run "
+            "`python -m sglang_farskip.boundary check`"))
+    admin_routes = admin.admin_routes(app)
     logger.info("%d admin routes need the admin key (%s): %s", len(admin_routes),
                 "set" if resolved.admin_api_key else "none set, so they answer 403",
                 " ".join(admin_routes))
-    try:
-        admission.install(options.current())
-    except UserError as e:
-        return fail(e)
     if info["node_rank"] == 0:
         host = "127.0.0.1" if resolved.host in ("0.0.0.0", "::") else resolved.host
         base_url = f"http://{host}:{resolved.port}"

@@ -3,6 +3,8 @@
 SGLang calls `register()` in every process it spawns (HTTP server, each scheduler/TP worker,
 detokenizer), because a spawned worker inherits none of the launcher's in-memory changes; a
 forked one (on CPU, cpu/environment.py) inherits them, and SGLang does not load plugins twice. It
+installs the rows of the boundary table (sglang_farskip/boundary/table.py) for every process and,
+on CPU, for CPU runs:
 1. applies the CPU fixes when SGLang runs on CPU (see cpu/environment.py);
 2. puts the FarSkip classes in SGLang's model registry under "DeepseekV3ForCausalLM" and
    "InstellaMoEForCausalLM";
@@ -16,8 +18,8 @@ forked one (on CPU, cpu/environment.py) inherits them, and SGLang does not load 
 The class is upstream's whenever config.json says `"farskip": false`, so plain DeepSeek-V3
 checkpoints are served exactly as stock SGLang serves them.
 
-SGLang logs and swallows any exception raised here; `unregistered()` lets the launcher check
-that registration really happened (and the launcher checks the KV layout SGLang derives).
+SGLang logs and swallows any exception raised here; `missing()` lets the launcher check that
+every row is really in place (and the launcher checks the KV layout SGLang derives).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import os
 import sys
 
+from sglang_farskip import boundary
 from sglang_farskip.checkpoint import DEEPSEEK_V3_ARCH, INSTELLA_ARCH
 from sglang_farskip.cpu.environment import quiet_known_cpu_noise
 
@@ -55,7 +58,7 @@ def _classes() -> dict:
     return {DEEPSEEK_V3_ARCH: FarSkipDeepseekV3ForCausalLM, INSTELLA_ARCH: InstellaMoEForCausalLM}
 
 
-def _derive_shapes_as_mla(original, model_config, *args, **kwargs):
+def derive_shapes_as_mla(original, model_config, *args, **kwargs):
     """AROUND hook: for Instella, run upstream's shape derivation as if the architecture list
     also named DeepSeek-V3, so upstream's own MLA branch sets the KV layout, head sizes and
     softmax scale; the list is restored before anything else reads it."""
@@ -77,35 +80,24 @@ def _derive_shapes_as_mla(original, model_config, *args, **kwargs):
 _MODEL_PACKAGE_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 
 
-def _defer_upstream_model_imports() -> None:
+def defer_upstream_model_imports() -> None:
     if "sglang.srt.models.registry" not in sys.modules:
         os.environ.setdefault(_MODEL_PACKAGE_ENV, "sglang_farskip.models")
 
 
 def register() -> None:
-    """Entry point `farskip`: the CPU fixes, the FarSkip model classes, the MLA hook."""
-    _defer_upstream_model_imports()
-    from sglang.srt.models.registry import ModelRegistry
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    from sglang_farskip.serve import kv_transfer, redact, timeouts
-
+    """Entry point `farskip`: the CPU fixes and the table's "every" rows (the FarSkip model
+    classes, the MLA hook, redaction, timeouts, the KV-transfer fix)."""
+    defer_upstream_model_imports()
     register_cpu_support()
-    redact.install()
-    timeouts.install()
-    kv_transfer.install()
+    boundary.install("every")
     for arch, cls in _classes().items():
-        ModelRegistry.models[arch] = cls
         logger.info("sglang_farskip: %s -> %s", arch, cls.__qualname__)
-    HookRegistry.register(
-        "sglang.srt.configs.model_config.ModelConfig._derive_model_shapes",
-        _derive_shapes_as_mla,
-        HookType.AROUND,
-    )
 
 
-def unregistered() -> list[str]:
-    """The architectures for which SGLang would not build our class in this process."""
-    from sglang.srt.models.registry import ModelRegistry
+def missing() -> list[str]:
+    """The rows of the table the plugin should have put in place in this process and did not
+    (SGLang logs and swallows a plugin's errors and a hook that failed to apply)."""
+    from sglang_farskip.cpu.environment import is_cpu_run
 
-    return [arch for arch, cls in _classes().items() if ModelRegistry.models.get(arch) is not cls]
+    return boundary.missing("every") + (boundary.missing("cpu") if is_cpu_run() else [])

@@ -11,9 +11,10 @@ Two more print settings with neither: `ServerArgs.__repr__`, and
 `TokenizerManager._server_args_for_dump`, which hands the ServerArgs object itself to a crash
 dump unless watermarking is on.
 
-`install()` wraps all four with SGLang's own HookRegistry (AROUND hooks, applied by
-`load_plugins()` in every SGLang process, the launcher's included, before any of them runs), so
-that `--api-key` and `--admin-api-key` read `<redacted>` wherever the watermark secrets do.
+The four AROUND hooks below (rows of sglang_farskip/boundary/table.py, installed through SGLang's
+HookRegistry by the plugin and applied by `load_plugins()` in every SGLang process, the
+launcher's included, before any of them runs) make
+`--api-key` and `--admin-api-key` read `<redacted>` wherever the watermark secrets do.
 Nothing else changes: the running server keeps and checks its keys as before.
 """
 
@@ -26,9 +27,6 @@ import os
 SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
 SECRET_FLAGS = ("--api-key", "--admin-api-key")
 REDACTED = "<redacted>"
-
-_CORE = "sglang.srt.sampling.watermarking.core"
-
 
 def scrub(value):
     """`value` with every dict entry named in SECRET_FIELDS that holds a key replaced by
@@ -64,15 +62,15 @@ def scrub_argv(argv) -> list[str]:
     return out
 
 
-def _redact_secrets(original, value, *args, **kwargs):
+def redact_secrets(original, value, *args, **kwargs):
     return scrub(original(value, *args, **kwargs))
 
 
-def _redact_command_line(original, argv, *args, **kwargs):
+def redact_command_line(original, argv, *args, **kwargs):
     return original(scrub_argv(argv), *args, **kwargs)
 
 
-def _repr_without_keys(original, server_args):
+def repr_without_keys(original, server_args):
     text = original(server_args)
     for name in SECRET_FIELDS:
         value = getattr(server_args, name, None)
@@ -81,27 +79,13 @@ def _repr_without_keys(original, server_args):
     return text
 
 
-def _dump_without_keys(original, tokenizer_manager):
+def dump_without_keys(original, tokenizer_manager):
     dumped = original(tokenizer_manager)
     if isinstance(dumped, dict):
         return scrub(dumped)
     # The ServerArgs object itself: dump its settings as a dict instead, as upstream does
     # when watermarking is on (the dump's reader accepts both).
     return scrub(dumped.resolved_dict())
-
-
-def install() -> None:
-    """Register the four hooks; SGLang's `load_plugins()` applies them."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    for target, hook in (
-        (f"{_CORE}.redact_watermark_secrets", _redact_secrets),
-        (f"{_CORE}.redact_watermark_command_line", _redact_command_line),
-        ("sglang.srt.server_args.ServerArgs.__repr__", _repr_without_keys),
-        ("sglang.srt.managers.tokenizer_manager.TokenizerManager._server_args_for_dump",
-         _dump_without_keys),
-    ):
-        HookRegistry.register(target, hook, HookType.AROUND)
 
 
 def take_from_environment(name: str) -> str | None:

@@ -31,9 +31,6 @@ import logging
 
 logger = logging.getLogger("sglang_farskip.serve.timeouts")
 
-_TARGET = ("sglang.srt.managers.data_parallel_controller."
-           "DataParallelController._broadcast_ports_as_server")
-_GROUPS = "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__"
 _bound_logged = False  # per process: its first group logs the bound
 
 
@@ -45,7 +42,7 @@ def _wait_bound_s() -> float:
     return float(timeout) if timeout else default_pg_timeout.total_seconds()
 
 
-def _bounded_port_broadcast(original, controller, endpoint, expected_clients, *args, **kwargs):
+def bounded_port_broadcast(original, controller, endpoint, expected_clients, *args, **kwargs):
     """AROUND hook: upstream's handshake, with a receive timeout on the socket it opens."""
     import zmq
 
@@ -65,7 +62,7 @@ def _bounded_port_broadcast(original, controller, endpoint, expected_clients, *a
         controller.context.setsockopt(zmq.RCVTIMEO, -1)
 
 
-def _cpu_group_bounded_by_dist_timeout(original, coordinator, *args, **kwargs):
+def cpu_group_bounded_by_dist_timeout(original, coordinator, *args, **kwargs):
     """AROUND hook: upstream's group set-up, its gloo CPU group under `--dist-timeout` too."""
     from sglang.srt.distributed import parallel_state
 
@@ -78,10 +75,3 @@ def _cpu_group_bounded_by_dist_timeout(original, coordinator, *args, **kwargs):
             logger.info("sglang_farskip: SGLang's gloo CPU groups wait at most %.0f s for a peer "
                         "(--dist-timeout)", timeout.total_seconds())
     return original(coordinator, *args, **kwargs)
-
-
-def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(_TARGET, _bounded_port_broadcast, HookType.AROUND)
-    HookRegistry.register(_GROUPS, _cpu_group_bounded_by_dist_timeout, HookType.AROUND)

@@ -1,0 +1,13 @@
+"""Where sglang_farskip meets SGLang, in one place.
+
+    table.py     every touch point: hooks, replacements, registry entries, subclasses, class
+                 swaps, environment switches SGLang reads, private attributes read; with owner
+                 and reason
+    installer.py puts the installed rows in place (the only module that writes into SGLang),
+                 says which are missing, swaps classes as the table allows
+    check.py     the upgrade check against the installed SGLang (`python -m sglang_farskip.boundary check`)
+"""
+
+from sglang_farskip.boundary.installer import apply, install, missing, swap_class
+
+__all__ = ["apply", "install", "missing", "swap_class"]
