@@ -229,7 +229,7 @@ def test_ensure_builds_once_under_concurrency(tmp_path, monkeypatch):
 
 
 def test_v3_bench_has_deepseek_v3_proportions():
-    """The bench model's ratios must carry over to DeepSeek-V3 (shared/reference's config.json):
+    """The bench model's ratios must carry over to DeepSeek-V3 (its own config.json, `v3` below):
     the dense share of layers, experts per token, and each TP=2 shard a whole number of heads
     and columns. A demo-shaped bench (1 dense layer of 4, top-2) would not."""
     from sglang_farskip.tools.demo_model import V3_BENCH, demo_config, kind_overrides

@@ -57,7 +57,7 @@ def test_tp2_overlap_is_bit_identical_to_sync_and_blocking_and_defers_waits(chec
         for phase in ("prefill", "decode"):
             for lane in ("attn+shared", "routed"):
                 # MoE layers only (1..3): the dense layer 0's output must reach layer 1's
-                # attention input (DESIGN section 1), so its sum is waited right away; and the
+                # attention input (docs/design.md), so its sum is waited right away; and the
                 # final norm drains the last layer's routed sum, so that one cannot overlap.
                 layers = (1, 2, 3) if lane == "attn+shared" else (1, 2)
                 rows = [profiles["overlap"][f"{phase}/{k}/{lane}"] for k in layers]

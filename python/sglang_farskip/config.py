@@ -7,7 +7,7 @@ Keys (the same as AMD's FarSkip-native checkpoints, e.g. Instella-MoE):
     attn_only_farskip   bool   rewire only the attention input
     mlp_only_farskip    bool   rewire only the MLP input
 
-Wiring of a converted layer k (see shared DESIGN.md section 1):
+Wiring of a converted layer k (docs/design.md, "The connectivity"):
     attention reads h[k-1] - r[k-1]   unless mlp_only   (r = routed output of an MoE layer, else 0)
     MLP       reads h[k-1]            unless attn_only  (skips this layer's attention)
 An unconverted layer is a plain DeepSeek-V3 layer on the full residual h.

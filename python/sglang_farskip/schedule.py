@@ -3,7 +3,7 @@ collectives it starts. Needs torch alone (no SGLang, no transformers): the serve
 (models/deepseek_v3.py), the bare GPU check (python/sglang_farskip/checks/gpu.py) and the FCSD student
 (fcsd/student.py) all run this file, each with its own `LayerOps` and communicator.
 
-Notation (decoder layer k, DESIGN.md section 1; every tensor [T, H]: T tokens, H hidden; the
+Notation (decoder layer k, docs/design.md; every tensor [T, H]: T tokens, H hidden; the
 student's are [B, T, H]):
     x       the residual, complete except for the sums still in flight
     a       attention output partial (o_proj, not yet all-reduced)
@@ -29,7 +29,7 @@ and after the last layer (`finish`): x += attn_shared; x += routed; out = norm(x
 Why in this order: the routed sum of layer k-1 is read first by layer k's MLP, so it stays in
 flight across layer k's attention; the attention+shared sum is launched before the routed
 experts, so it runs while they compute. A dense layer's whole output rides the attention lane
-because the next attention must read it (DESIGN section 1: only routed outputs far-skip).
+because the next attention must read it (docs/design.md: only routed outputs far-skip).
 
 Every wait is where the sum is first read, and every float addition happens in one fixed
 order, whatever the communicator: a blocking one (sync) and an asynchronous one (overlap) give

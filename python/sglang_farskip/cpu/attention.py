@@ -1,7 +1,7 @@
 """SGLang's MLA prefill paths (MHA over decompressed K/V) on CPU, and which path ran.
 
 DeepSeek-style attention has two forms in SGLang 0.5.23, chosen per batch by a handler of the
-attention backend (`models/deepseek_common/attention_backend_handler.py`):
+attention backend (`sglang/srt/models/deepseek_common/attention_backend_handler.py`):
     MHA             prefill, no cached prefix: K/V decompressed from the new tokens' latent,
                     ordinary causal attention, head size qk_nope+qk_rope (q, k) and v_head (v)
     MHA_CHUNKED_KV  prefill on a cached prefix: the new tokens causally (returning the

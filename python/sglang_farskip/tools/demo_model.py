@@ -111,8 +111,8 @@ TINY = dict(
     dtype="bfloat16",
 )
 
-# Instella-MoE's differences from DeepSeek-V3, at the tiny scale (AMD's config.json, see
-# shared/notes/instella-moe.md): no query compression, one expert group, a 2-expert-wide shared
+# Instella-MoE's differences from DeepSeek-V3, at the tiny scale (as AMD's config.json of
+# Instella-MoE-16B-A3B has them, docs/instella-moe.md): no query compression, one expert group, a 2-expert-wide shared
 # MLP, the attention gate, and only `"farskip": true` (AMD's config class defaults the range).
 INSTELLA_TINY = dict(
     architectures=["InstellaMoEForCausalLM"],
@@ -522,7 +522,7 @@ def predictable_mtp(src: Path | str, dst: Path | str) -> Path:
     head(norm(embed(t)))), and the MTP layer computes that same bigram: `eh_proj` = [I, 0]
     passes the token's normalised embedding through, its decoder layer (a copy of the target's
     last) adds little, and `shared_head.norm` is the target's final norm. Tensor names are those
-    SGLang's DeepseekV3ForCausalLMNextN loads (`models/deepseek_common/deepseek_weight_loader.py`).
+    SGLang's DeepseekV3ForCausalLMNextN loads (`sglang/srt/models/deepseek_common/deepseek_weight_loader.py`).
     """
     import torch
     from safetensors.torch import load_file, save_file
