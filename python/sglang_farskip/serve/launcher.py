@@ -27,7 +27,7 @@ from pathlib import Path
 from sglang_farskip import checkpoint, fp8
 from sglang_farskip.config import FarSkipConfig, FarSkipMode
 from sglang_farskip.errors import ArgumentParser, UserError, fail
-from sglang_farskip.options import CPU_START_METHODS, RuntimeOptions
+from sglang_farskip.options import Flag, RuntimeOptions, option_flags
 
 logger = logging.getLogger("sglang_farskip.launch")
 
@@ -80,40 +80,21 @@ class GivenArgs:
         return self._values.get(self._dest[flag], default)
 
 
+# The launcher's flags that are not runtime options, declared as those are (options.Flag).
+LAUNCHER_FLAGS = (
+    Flag("--farskip-ready-timeout", type=float, default=1800.0, metavar="S",
+         help="seconds to wait for the first /health answer before checking that every "
+         "rank built a FarSkip model (a later start is left unchecked)"),
+    Flag("--demo", choices=tuple(DEMO_MODEL_NAMES),
+         help="without --model-path: which tiny built-in model to serve (default deepseek-v3)"),
+)
+
+
 def own_parser() -> argparse.ArgumentParser:
     """The launcher's own flags; every other flag is SGLang's (`--help` shows SGLang's)."""
     parser = ArgumentParser(prog="python -m sglang_farskip.launch_server", add_help=False, allow_abbrev=False)
-    parser.add_argument("--farskip-mode", choices=[m.value for m in FarSkipMode], default=None)
-    parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0, metavar="S",
-                        help="seconds to wait for the first /health answer before checking that every "
-                        "rank built a FarSkip model (a later start is left unchecked)")
-    parser.add_argument("--farskip-profile-dir", default=None,
-                        help="record per-layer collective/wait timings into DIR (off by default)")
-    parser.add_argument("--farskip-gpu-overlap", action="store_true",
-                        help="use the side-stream all-reduce on GPU (not yet validated on hardware)")
-    parser.add_argument("--farskip-side-max-ctas", type=int, default=None,
-                        help="cap the CTAs (SMs) one side-stream all-reduce may take from "
-                             "overlapped compute (NCCL maxCTAs; default: NCCL's choice)")
-    parser.add_argument("--farskip-cpu-attention", choices=["absorbed", "mha"], default=None,
-                        help="CPU only: MLA prefill as absorbed MLA (default) or, as on GPUs, MHA over "
-                        "decompressed K/V (chunked on a long cached prefix); decode stays absorbed")
-    parser.add_argument("--farskip-cpu-start-method", choices=list(CPU_START_METHODS), default=None,
-                        help="CPU only: SGLang's worker processes are forked from the launcher, which "
-                        "has imported SGLang already (default), or spawned as on GPUs (each imports it again)")
-    parser.add_argument("--farskip-max-logprobs", type=int, default=20, metavar="K",
-                        help="the most top log-probabilities one request may ask for per token "
-                        "(top_logprobs_num, OpenAI logprobs/top_logprobs; vLLM's default)")
-    parser.add_argument("--farskip-max-n", type=int, default=16, metavar="N",
-                        help="the most parallel samples (n, best_of) one request may ask for per prompt")
-    parser.add_argument("--farskip-max-request-tokens", type=int, default=None, metavar="T",
-                        help="the most tokens one request may ask for, summed over its prompts and samples "
-                        "(prompt + tokens to generate each); default: --farskip-max-n full contexts")
-    parser.add_argument("--demo", choices=list(DEMO_MODEL_NAMES), default=None,
-                        help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
-    # Test only (python/sglang_farskip/checks/device.py): the GPU side stream even at TP=1, with the fork/join probe.
-    parser.add_argument("--farskip-test-force-side-stream", action="store_true", help=argparse.SUPPRESS)
-    # Test only (device_check's broken-lane control): LANE:LAYER sums zeros for one collective.
-    parser.add_argument("--farskip-test-drop-partial", default=None, metavar="LANE:LAYER", help=argparse.SUPPRESS)
+    for flag in (*option_flags().values(), *LAUNCHER_FLAGS):
+        flag.add_to(parser)
     return parser
 
 
@@ -408,19 +389,8 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
                           "workers (a forked CUDA process cannot use the GPU): remove the flag")
     if own.farskip_profile_dir:
         os.makedirs(own.farskip_profile_dir, exist_ok=True)
-    opts = RuntimeOptions(
-        mode=own.farskip_mode or FarSkipMode.OVERLAP,
-        gpu_overlap=own.farskip_gpu_overlap,
-        side_max_ctas=own.farskip_side_max_ctas,
-        profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None,
-        cpu_attention=own.farskip_cpu_attention,
-        cpu_start_method=own.farskip_cpu_start_method or "fork",
-        force_side_stream=own.farskip_test_force_side_stream,
-        drop_partial=own.farskip_test_drop_partial,
-        max_logprobs=own.farskip_max_logprobs,
-        max_n=own.farskip_max_n,
-        max_request_tokens=own.farskip_max_request_tokens,
-    )
+    opts = RuntimeOptions.from_flags(
+        own, profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None)
     if on_cpu:
         argv = argv + _cpu_setup(given)
         _check_stand_in()
