@@ -1,7 +1,8 @@
 """The launcher's flags and the user pages agree: every `--farskip-*` flag the launcher defines
 is documented in README.md or docs/*.md, and every one those pages name exists (the launcher's
 parser: no SGLang import); and the admin routes docs/serving.md lists are the ones that need the
-admin key (this one imports SGLang's HTTP app); and every flag of the planner is on its page."""
+admin key (this one imports SGLang's HTTP app); and every flag of the planner is on its page;
+and docs/serving.md's table of runtime options is the one generated from their declaration."""
 
 from __future__ import annotations
 
@@ -47,6 +48,19 @@ def test_every_documented_flag_exists():
     shown, hidden = launcher_flags()
     unknown = {flag: pages for flag, pages in documented_flags().items() if flag not in shown | hidden}
     assert not unknown, f"pages name --farskip-* flags the launcher does not have: {unknown}"
+
+
+def test_the_runtime_options_table_is_the_generated_one():
+    """docs/serving.md's table of runtime options is what `python -m sglang_farskip.options`
+    prints from their one declaration, so a flag, default or help line cannot drift."""
+    from sglang_farskip.options import markdown_table
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    found = re.search(r"<!-- runtime options: generated .*? -->\n(.*?)<!-- end of runtime options -->",
+                      text, re.S)
+    assert found, "docs/serving.md lost its runtime-options markers"
+    assert found[1].strip() == markdown_table(), (
+        "docs/serving.md's runtime-options table is stale: paste `python -m sglang_farskip.options` between its markers")
 
 
 def test_the_admin_routes_listed_are_the_routes_that_need_the_admin_key():

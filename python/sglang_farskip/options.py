@@ -6,19 +6,25 @@ JSON in one environment variable, which SGLang's scheduler, TP and detokenizer p
 inherit, spawned or forked. Every reader (the model, the CPU attention, the settings checks) calls
 `current()`, which parses and validates the variable once per process.
 
+Each option is declared once, as a field of `RuntimeOptions` with its command-line `Flag`: the
+launcher's parser is built from these declarations, the options object from what that parser
+read, and docs/serving.md's table of them is generated here (`python -m sglang_farskip.options`;
+tests/test_docs.py checks the page against it).
+
 A process that SGLang started without our launcher (`python -m sglang.launch_server` with the
 plugin installed) finds no variable and gets the defaults: FarSkip `overlap`, CPU overlap only.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from sglang_farskip.config import FarSkipMode
-from sglang_farskip.errors import UserError
+from sglang_farskip.errors import ArgumentParser, UserError
 
 ENV = "SGLANG_FARSKIP_OPTIONS"
 CPU_ATTENTION_CHOICES = ("absorbed", "mha")
@@ -27,51 +33,124 @@ LANES = ("attn", "attn+shared", "routed")  # the collectives' lane names (schedu
 
 
 @dataclasses.dataclass(frozen=True)
+class Flag:
+    """One flag of the launcher: how its parser reads it and how the docs list it.
+
+    A flag left out parses to `default` (None unless given), so the launcher can tell a flag
+    the user gave from one left out; for a runtime option the field's default then applies
+    (`RuntimeOptions.from_flags`)."""
+
+    name: str
+    help: Optional[str] = None
+    type: Any = None  # argparse's converter; `bool`: a switch, which takes no value
+    choices: Optional[tuple[str, ...]] = None
+    metavar: Optional[str] = None
+    default: Any = None
+    test_only: bool = False  # hidden from --help and the docs (checks/device.py passes them)
+    doc: Optional[str] = None  # the docs' text for a flag without a help line
+
+    @property
+    def dest(self) -> str:
+        """The parsed namespace's attribute, as argparse names it."""
+        return self.name.lstrip("-").replace("-", "_")
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        shown = argparse.SUPPRESS if self.test_only else self.help
+        if self.type is bool:
+            parser.add_argument(self.name, action="store_true", help=shown)
+        else:
+            parser.add_argument(self.name, type=self.type, choices=self.choices, default=self.default,
+                                metavar=self.metavar, help=shown)
+
+    def usage(self) -> str:
+        """The flag with its value, as --help writes it."""
+        if self.type is bool:
+            return self.name
+        value = self.metavar or ("{" + ",".join(self.choices) + "}" if self.choices else self.dest.upper())
+        return f"{self.name} {value}"
+
+
+def option(default: Any, flag: Flag) -> Any:
+    """A RuntimeOptions field and the flag that sets it."""
+    return dataclasses.field(default=default, metadata={"flag": flag})
+
+
+@dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
-    mode: FarSkipMode = FarSkipMode.OVERLAP  # --farskip-mode
-    gpu_overlap: bool = False  # --farskip-gpu-overlap: the side-stream all-reduce on a GPU
-    side_max_ctas: Optional[int] = None  # --farskip-side-max-ctas: NCCL maxCTAs of that all-reduce
-    profile_dir: Optional[str] = None  # --farskip-profile-dir: absolute, made by the launcher
-    cpu_attention: Optional[str] = None  # --farskip-cpu-attention: None = absorbed, uncounted
-    cpu_start_method: str = "fork"  # --farskip-cpu-start-method: how SGLang starts its CPU workers
+    mode: FarSkipMode = option(FarSkipMode.OVERLAP, Flag(
+        "--farskip-mode", choices=tuple(m.value for m in FarSkipMode),
+        doc="how the FarSkip collectives run: `overlap` (asynchronous, each waited right before the "
+        "add that reads it), `sync` (blocking), `blocking` (overlap's own all-reduce, waited at its "
+        "launch) or `off` (stock DeepSeek-V3 wiring, for A/B timing only)"))
+    profile_dir: Optional[str] = option(None, Flag(  # absolute, made by the launcher
+        "--farskip-profile-dir",
+        help="record per-layer collective/wait timings into DIR (off by default)"))
+    gpu_overlap: bool = option(False, Flag(
+        "--farskip-gpu-overlap", type=bool,
+        help="use the side-stream all-reduce on GPU (not yet validated on hardware)"))
+    side_max_ctas: Optional[int] = option(None, Flag(  # NCCL maxCTAs of that all-reduce
+        "--farskip-side-max-ctas", type=int,
+        help="cap the CTAs (SMs) one side-stream all-reduce may take from "
+        "overlapped compute (NCCL maxCTAs; default: NCCL's choice)"))
+    cpu_attention: Optional[str] = option(None, Flag(  # None = absorbed, uncounted
+        "--farskip-cpu-attention", choices=CPU_ATTENTION_CHOICES,
+        help="CPU only: MLA prefill as absorbed MLA (default) or, as on GPUs, MHA over "
+        "decompressed K/V (chunked on a long cached prefix); decode stays absorbed"))
+    cpu_start_method: str = option("fork", Flag(
+        "--farskip-cpu-start-method", choices=CPU_START_METHODS,
+        help="CPU only: SGLang's worker processes are forked from the launcher, which "
+        "has imported SGLang already (default), or spawned as on GPUs (each imports it again)"))
     # What one request may ask for (serve/admission.py; read in the HTTP process only).
-    max_logprobs: int = 20  # --farskip-max-logprobs: top log-probabilities per token, as vLLM's default
-    max_n: int = 16  # --farskip-max-n: parallel samples (n, best_of) per prompt
-    max_request_tokens: Optional[int] = None  # --farskip-max-request-tokens; None: max_n full contexts
+    max_logprobs: int = option(20, Flag(  # vLLM's default
+        "--farskip-max-logprobs", type=int, metavar="K",
+        help="the most top log-probabilities one request may ask for per token "
+        "(top_logprobs_num, OpenAI logprobs/top_logprobs; vLLM's default)"))
+    max_n: int = option(16, Flag(
+        "--farskip-max-n", type=int, metavar="N",
+        help="the most parallel samples (n, best_of) one request may ask for per prompt"))
+    max_request_tokens: Optional[int] = option(None, Flag(  # None: max_n full contexts
+        "--farskip-max-request-tokens", type=int, metavar="T",
+        help="the most tokens one request may ask for, summed over its prompts and samples "
+        "(prompt + tokens to generate each); default: --farskip-max-n full contexts"))
     # Test only (python/sglang_farskip/checks/device.py): the side stream even at TP=1, with the fork/join probe.
-    force_side_stream: bool = False
+    force_side_stream: bool = option(False, Flag("--farskip-test-force-side-stream", type=bool, test_only=True))
     # Test only (python/sglang_farskip/checks/device.py's broken-lane control): "LANE:LAYER", e.g. "attn+shared:1";
     # that collective sums zeros instead of this rank's partial, so a check must see it.
-    drop_partial: Optional[str] = None
+    drop_partial: Optional[str] = option(None, Flag(
+        "--farskip-test-drop-partial", metavar="LANE:LAYER", test_only=True))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", FarSkipMode.parse(self.mode))
-        for name in ("gpu_overlap", "force_side_stream"):
-            if not isinstance(getattr(self, name), bool):
+        flags = option_flags()
+        for name, flag in flags.items():
+            if flag.type is bool and not isinstance(getattr(self, name), bool):
                 raise UserError(f"runtime option {name}={getattr(self, name)!r}: must be true or false")
         ctas = self.side_max_ctas
         if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
-            raise UserError(f"--farskip-side-max-ctas {ctas}: give a positive CTA count")
+            raise UserError(f"{flags['side_max_ctas'].name} {ctas}: give a positive CTA count")
         for name, least in (("max_logprobs", 0), ("max_n", 1), ("max_request_tokens", 1)):
             value = getattr(self, name)
             if value is None and name == "max_request_tokens":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                flag = "--farskip-" + name.replace("_", "-")
-                raise UserError(f"{flag} {value!r}: give an integer of at least {least}")
-        if self.cpu_attention not in (None, *CPU_ATTENTION_CHOICES):
-            raise UserError(
-                f"--farskip-cpu-attention {self.cpu_attention!r}: choose one of {', '.join(CPU_ATTENTION_CHOICES)}"
-            )
-        if self.cpu_start_method not in CPU_START_METHODS:
-            raise UserError(
-                f"--farskip-cpu-start-method {self.cpu_start_method!r}: choose one of {', '.join(CPU_START_METHODS)}"
-            )
+                raise UserError(f"{flags[name].name} {value!r}: give an integer of at least {least}")
+        for name in ("cpu_attention", "cpu_start_method"):  # the mode's were checked by its parse
+            value, choices = getattr(self, name), flags[name].choices
+            if value not in choices and not (value is None and _default(name) is None):
+                raise UserError(f"{flags[name].name} {value!r}: choose one of {', '.join(choices)}")
         if self.drop_partial is not None:
             self.dropped_collective()  # raises on a malformed value
         if self.profile_dir is not None and not os.path.isabs(self.profile_dir):
             # Workers may run in another directory than the launcher.
             raise UserError(f"profile directory {self.profile_dir!r} must be an absolute path")
+
+    @classmethod
+    def from_flags(cls, given: argparse.Namespace, **resolved: Any) -> "RuntimeOptions":
+        """The options from the launcher's parsed flags: a flag left out takes its field's
+        default; `resolved` are the values the launcher settled itself (the profile directory,
+        made absolute)."""
+        values = {name: getattr(given, flag.dest) for name, flag in option_flags().items()}
+        return cls(**{**{name: value for name, value in values.items() if value is not None}, **resolved})
 
     def dropped_collective(self) -> Optional[tuple[str, int]]:
         """(lane, layer) of --farskip-test-drop-partial, or None."""
@@ -80,7 +159,7 @@ class RuntimeOptions:
         lane, _, layer = str(self.drop_partial).rpartition(":")
         if lane not in LANES or not layer.isdigit():
             raise UserError(
-                f"--farskip-test-drop-partial {self.drop_partial!r}: give LANE:LAYER with LANE one of "
+                f"{option_flags()['drop_partial'].name} {self.drop_partial!r}: give LANE:LAYER with LANE one of "
                 f"{', '.join(LANES)} and LAYER a layer index, e.g. attn+shared:1"
             )
         return lane, int(layer)
@@ -104,6 +183,27 @@ class RuntimeOptions:
         return cls(**raw)
 
 
+def option_flags() -> dict[str, Flag]:
+    """{field name: its flag}, in the order the fields are declared (the launcher's, --help's)."""
+    return {f.name: f.metadata["flag"] for f in dataclasses.fields(RuntimeOptions)}
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(RuntimeOptions) if f.name == name)
+
+
+def markdown_table() -> str:
+    """docs/serving.md's table of the runtime options' flags (the test-only ones left out)."""
+    rows = ["| Flag | Default | What it sets |", "| --- | --- | --- |"]
+    for name, flag in option_flags().items():
+        if flag.test_only:
+            continue
+        default = _default(name)
+        shown = "unset" if default is None else "off" if default is False else f"`{getattr(default, 'value', default)}`"
+        rows.append(f"| `{flag.usage()}` | {shown} | {flag.doc or flag.help} |")
+    return "\n".join(rows)
+
+
 _current: Optional[RuntimeOptions] = None
 
 
@@ -121,3 +221,9 @@ def publish(options: RuntimeOptions) -> None:
     global _current
     os.environ[ENV] = options.to_json()
     _current = options
+
+
+if __name__ == "__main__":
+    ArgumentParser(prog="python -m sglang_farskip.options",
+                   description="Print docs/serving.md's table of the runtime options' flags.").parse_args()
+    print(markdown_table())

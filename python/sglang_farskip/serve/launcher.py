@@ -27,7 +27,7 @@ from pathlib import Path
 from sglang_farskip import checkpoint, fp8
 from sglang_farskip.config import FarSkipConfig, FarSkipMode
 from sglang_farskip.errors import ArgumentParser, UserError, fail
-from sglang_farskip.options import CPU_START_METHODS, RuntimeOptions
+from sglang_farskip.options import Flag, RuntimeOptions, option_flags, publish
 
 logger = logging.getLogger("sglang_farskip.launch")
 
@@ -80,40 +80,21 @@ class GivenArgs:
         return self._values.get(self._dest[flag], default)
 
 
+# The launcher's flags that are not runtime options, declared as those are (options.Flag).
+LAUNCHER_FLAGS = (
+    Flag("--farskip-ready-timeout", type=float, default=1800.0, metavar="S",
+         help="seconds to wait for the first /health answer before checking that every "
+         "rank built a FarSkip model (a later start is left unchecked)"),
+    Flag("--demo", choices=tuple(DEMO_MODEL_NAMES),
+         help="without --model-path: which tiny built-in model to serve (default deepseek-v3)"),
+)
+
+
 def own_parser() -> argparse.ArgumentParser:
     """The launcher's own flags; every other flag is SGLang's (`--help` shows SGLang's)."""
     parser = ArgumentParser(prog="python -m sglang_farskip.launch_server", add_help=False, allow_abbrev=False)
-    parser.add_argument("--farskip-mode", choices=[m.value for m in FarSkipMode], default=None)
-    parser.add_argument("--farskip-ready-timeout", type=float, default=1800.0, metavar="S",
-                        help="seconds to wait for the first /health answer before checking that every "
-                        "rank built a FarSkip model (a later start is left unchecked)")
-    parser.add_argument("--farskip-profile-dir", default=None,
-                        help="record per-layer collective/wait timings into DIR (off by default)")
-    parser.add_argument("--farskip-gpu-overlap", action="store_true",
-                        help="use the side-stream all-reduce on GPU (not yet validated on hardware)")
-    parser.add_argument("--farskip-side-max-ctas", type=int, default=None,
-                        help="cap the CTAs (SMs) one side-stream all-reduce may take from "
-                             "overlapped compute (NCCL maxCTAs; default: NCCL's choice)")
-    parser.add_argument("--farskip-cpu-attention", choices=["absorbed", "mha"], default=None,
-                        help="CPU only: MLA prefill as absorbed MLA (default) or, as on GPUs, MHA over "
-                        "decompressed K/V (chunked on a long cached prefix); decode stays absorbed")
-    parser.add_argument("--farskip-cpu-start-method", choices=list(CPU_START_METHODS), default=None,
-                        help="CPU only: SGLang's worker processes are forked from the launcher, which "
-                        "has imported SGLang already (default), or spawned as on GPUs (each imports it again)")
-    parser.add_argument("--farskip-max-logprobs", type=int, default=20, metavar="K",
-                        help="the most top log-probabilities one request may ask for per token "
-                        "(top_logprobs_num, OpenAI logprobs/top_logprobs; vLLM's default)")
-    parser.add_argument("--farskip-max-n", type=int, default=16, metavar="N",
-                        help="the most parallel samples (n, best_of) one request may ask for per prompt")
-    parser.add_argument("--farskip-max-request-tokens", type=int, default=None, metavar="T",
-                        help="the most tokens one request may ask for, summed over its prompts and samples "
-                        "(prompt + tokens to generate each); default: --farskip-max-n full contexts")
-    parser.add_argument("--demo", choices=list(DEMO_MODEL_NAMES), default=None,
-                        help="without --model-path: which tiny built-in model to serve (default deepseek-v3)")
-    # Test only (python/sglang_farskip/checks/device.py): the GPU side stream even at TP=1, with the fork/join probe.
-    parser.add_argument("--farskip-test-force-side-stream", action="store_true", help=argparse.SUPPRESS)
-    # Test only (device_check's broken-lane control): LANE:LAYER sums zeros for one collective.
-    parser.add_argument("--farskip-test-drop-partial", default=None, metavar="LANE:LAYER", help=argparse.SUPPRESS)
+    for flag in (*option_flags().values(), *LAUNCHER_FLAGS):
+        flag.add_to(parser)
     return parser
 
 
@@ -369,34 +350,72 @@ def _add_info_route(status_dir: str, launch_info: dict) -> None:
 
 # ---------------------------------------------------------------- main
 def prepare(argv: list[str]) -> tuple[object, dict]:
-    """Everything before the server starts; raises UserError on bad input."""
+    """Everything before the server starts, step by step; raises UserError on bad input.
+
+    The order matters: the environment SGLang reads at import is set before the first SGLang
+    import, the checkpoint and our own flags are checked before SGLang's plugins load, and the
+    options are published only once every refusal has passed."""
     own, argv = _split_own_flags(argv)
     gpu = _gpu_present()
-    _cpu_engine_env_first(gpu)
-    _setdefault_env(SERVER_ENVIRONMENT)
-    given = GivenArgs(argv)
-    on_cpu = _device(given, gpu) == "cpu"
-    if on_cpu:  # before anything here runs torch (the demo build does)
-        from sglang_farskip.cpu.environment import one_thread_until_workers_start
-
-        one_thread_until_workers_start()
+    given = _read_sglang_flags(argv, gpu)
+    on_cpu = _on_cpu(given, gpu)
     argv = argv + _keys(given)
-    demo = "--model-path" not in given
-    if own.demo and not demo:
-        raise UserError("--demo picks a built-in model and --model-path a checkpoint: pass one of them")
-    if demo:
-        from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
-
-        kind = own.demo or "deepseek-v3"
-        path = ensure_demo_checkpoint(kind=kind)
-        logger.info("no --model-path: serving the built-in tiny FarSkip model from %s", path)
-        argv = ["--model-path", str(path)] + argv
-        if "--served-model-name" not in given:  # the OpenAI model id clients send
-            argv += ["--served-model-name", DEMO_MODEL_NAMES[kind]]
-    model_path = str(path) if demo else given.get("--model-path")
+    model_path, argv = _model_to_serve(own, given, argv)
     config = read_checkpoint_config(model_path)
     farskip = check_farskip(config, model_path)
     weight_format = check_weight_format(config, model_path, given, on_cpu)
+    opts = _runtime_options(own, farskip, model_path, on_cpu)
+    argv = argv + _device_setup(given, opts, farskip, on_cpu, gpu)
+    _status_and_metrics_dirs(given)
+    server_args = _sglang_server_args(argv)
+    _refuse_what_farskip_cannot_run(server_args, config, farskip, opts, on_cpu)
+    publish(opts)  # every process SGLang starts from here on inherits them
+    return server_args, _launch_info(server_args, given, own, model_path, farskip, weight_format, opts, on_cpu)
+
+
+def _read_sglang_flags(argv: list[str], gpu: bool) -> GivenArgs:
+    """The SGLang flags the user gave. Reading them imports SGLang, whose modules read at
+    import whether this is a CPU run and the server-wide switches: those are set first."""
+    _cpu_engine_env_first(gpu)
+    _setdefault_env(SERVER_ENVIRONMENT)
+    return GivenArgs(argv)
+
+
+def _on_cpu(given: GivenArgs, gpu: bool) -> bool:
+    """Whether this run serves on CPU; there, torch keeps to one thread in this process from
+    now on, before anything here runs torch (the demo build does), so that forked workers
+    inherit no OpenMP pool (cpu/environment.py)."""
+    on_cpu = _device(given, gpu) == "cpu"
+    if on_cpu:
+        from sglang_farskip.cpu.environment import one_thread_until_workers_start
+
+        one_thread_until_workers_start()
+    return on_cpu
+
+
+def _model_to_serve(own: argparse.Namespace, given: GivenArgs, argv: list[str]) -> tuple[str, list[str]]:
+    """The checkpoint to serve, and SGLang's flags for it: without --model-path, the built-in
+    demo checkpoint (built once, cached) under the model id clients of the demo send."""
+    if "--model-path" in given:
+        if own.demo:
+            raise UserError("--demo picks a built-in model and --model-path a checkpoint: pass one of them")
+        return given.get("--model-path"), argv
+    from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
+
+    kind = own.demo or "deepseek-v3"
+    path = ensure_demo_checkpoint(kind=kind)
+    logger.info("no --model-path: serving the built-in tiny FarSkip model from %s", path)
+    argv = ["--model-path", str(path)] + argv
+    if "--served-model-name" not in given:  # the OpenAI model id clients send
+        argv += ["--served-model-name", DEMO_MODEL_NAMES[kind]]
+    return str(path), argv
+
+
+def _runtime_options(own: argparse.Namespace, farskip: FarSkipConfig, model_path: str,
+                     on_cpu: bool) -> RuntimeOptions:
+    """The runtime options from our own flags, validated; refuses a CPU-only flag on a GPU
+    (there SGLang's own settings decide what it would) and makes the profile directory here,
+    where a mistyped path fails once rather than in every worker."""
     if own.farskip_mode and not farskip.enabled:
         logger.warning("--farskip-mode %s has no effect: %s is not a FarSkip checkpoint",
                        own.farskip_mode, model_path)
@@ -408,39 +427,41 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
                           "workers (a forked CUDA process cannot use the GPU): remove the flag")
     if own.farskip_profile_dir:
         os.makedirs(own.farskip_profile_dir, exist_ok=True)
-    opts = RuntimeOptions(
-        mode=own.farskip_mode or FarSkipMode.OVERLAP,
-        gpu_overlap=own.farskip_gpu_overlap,
-        side_max_ctas=own.farskip_side_max_ctas,
-        profile_dir=os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None,
-        cpu_attention=own.farskip_cpu_attention,
-        cpu_start_method=own.farskip_cpu_start_method or "fork",
-        force_side_stream=own.farskip_test_force_side_stream,
-        drop_partial=own.farskip_test_drop_partial,
-        max_logprobs=own.farskip_max_logprobs,
-        max_n=own.farskip_max_n,
-        max_request_tokens=own.farskip_max_request_tokens,
-    )
+    profile_dir = os.path.abspath(own.farskip_profile_dir) if own.farskip_profile_dir else None
+    return RuntimeOptions.from_flags(own, profile_dir=profile_dir)
+
+
+def _device_setup(given: GivenArgs, opts: RuntimeOptions, farskip: FarSkipConfig, on_cpu: bool,
+                  gpu: bool) -> list[str]:
+    """The flags this device needs that the user did not give (CPU defaults and environment,
+    or prefill without CUDA graphs under the GPU side stream), once SGLang's imported modules
+    are known to agree with the device."""
+    extra = []
     if on_cpu:
-        argv = argv + _cpu_setup(given)
+        extra = _cpu_setup(given)
         _check_stand_in()
     elif opts.gpu_overlap and farskip.enabled and opts.mode.own_communicator:
-        argv = argv + gpu_overlap_graph_args(given)
-
+        extra = gpu_overlap_graph_args(given)
     _check_cpu_engine(on_cpu, gpu, given.get("--device"))
+    return extra
 
+
+def _status_and_metrics_dirs(given: GivenArgs) -> None:
+    """The directory each rank reports what it built into (read after start-up and at
+    /farskip/info), and, with --enable-metrics, the metrics directory before the plugins load
+    (_metrics_dir_first says why)."""
     status_dir = tempfile.mkdtemp(prefix="sglang-farskip-status-")
     os.environ[ENV_STATUS] = status_dir
     if "--enable-metrics" in given:
         _metrics_dir_first()
 
-    from sglang.srt.arg_groups.overrides import resolving_view
+
+def _sglang_server_args(argv: list[str]):
+    """SGLang's ServerArgs, resolved as its server would resolve them, after its plugins
+    (ours among them) loaded: our hooks change what SGLang derives (the MLA layout, for one)."""
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_farskip.serve.refusals import unsupported, uses_side_stream
-    from sglang_farskip.serve.status import pd_role
-    from sglang_farskip.options import publish
     from sglang_farskip.serve import plugin
 
     load_plugins()
@@ -458,6 +479,17 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         server_args.resolve_once()
     except (ValueError, AssertionError) as e:
         raise UserError(f"SGLang rejected the arguments: {e}") from None
+    return server_args
+
+
+def _refuse_what_farskip_cannot_run(server_args, config: dict, farskip: FarSkipConfig,
+                                    opts: RuntimeOptions, on_cpu: bool) -> None:
+    """The settings, as SGLang resolved them, that would run wrongly or unchecked: refused
+    here, before any process starts (docs/serving.md, "What the launcher refuses")."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from sglang_farskip.serve.refusals import unsupported, uses_side_stream
+
     resolved = resolving_view(server_args)
     _check_mla_layout(server_args, config)
     if on_cpu:
@@ -482,10 +514,19 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
                                gpu_profiling=bool(opts.profile_dir) and not on_cpu)
         if problems:
             raise UserError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
-    publish(opts)  # every process SGLang starts from here on inherits them
-    launch_info = {
+
+
+def _launch_info(server_args, given: GivenArgs, own: argparse.Namespace, model_path: str,
+                 farskip: FarSkipConfig, weight_format: str, opts: RuntimeOptions, on_cpu: bool) -> dict:
+    """What this launch decided: logged checks after start-up use it, GET /farskip/info serves it."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from sglang_farskip.serve.status import pd_role
+
+    resolved = resolving_view(server_args)
+    return {
         "model_path": model_path,
-        "demo": demo,
+        "demo": "--model-path" not in given,
         "served_model_name": resolved.served_model_name,
         "device": "cpu" if on_cpu else resolved.device,
         "farskip": farskip.to_hf_keys(),
@@ -501,7 +542,6 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
         "node_rank": resolved.node_rank,
         "ready_timeout_s": own.farskip_ready_timeout,
     }
-    return server_args, launch_info
 
 
 def check_weight_format(config: dict, model_path: str, given: "GivenArgs", on_cpu: bool) -> str:
