@@ -211,6 +211,7 @@ def test_unknown_farskip_mode():
 
 def test_plugin_not_loaded_is_an_error():
     """SGLANG_PLUGINS limits SGLang to the CPU-fix plugin, as a broken install would: the
-    registry then holds upstream's class, and the launcher must refuse to serve."""
+    registry then holds upstream's class, and the launcher must refuse to serve, naming the
+    boundary rows that are not in place."""
     proc = launch(["--model-path", str(ensure_demo_checkpoint())], env={"SGLANG_PLUGINS": "farskip_cpu"})
-    assert_fails(proc, "plugin did not register")
+    assert_fails(proc, "plugin did not put in place", "registry sglang.srt.models.registry.ModelRegistry.models")
