@@ -329,7 +329,7 @@ def _wait_ready_and_verify(base_url: str, status_dir: str, ranks: int, timeout: 
                            curl_hint: str) -> None:
     """Runs in a thread beside the server: once it answers, every local rank must have
     reported the FarSkip class; otherwise the server is stopped (the plugin did not load)."""
-    from sglang_farskip.serve.status import read_rank_statuses
+    from sglang_farskip.models.status import read_rank_statuses
 
     if not wait_healthy(base_url, timeout):
         return  # SGLang reports its own start-up failures; nothing to verify
@@ -360,7 +360,7 @@ def _stop_server() -> None:
 def _add_info_route(status_dir: str, launch_info: dict) -> None:
     from sglang.srt.entrypoints.http_server import app
 
-    from sglang_farskip.serve.status import read_rank_statuses
+    from sglang_farskip.models.status import read_rank_statuses
 
     @app.get("/farskip/info")
     async def farskip_info():
@@ -438,8 +438,8 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_farskip.serve.refusals import unsupported, uses_side_stream
-    from sglang_farskip.serve.status import pd_role
+    from sglang_farskip.parallel import unsupported, uses_side_stream
+    from sglang_farskip.models.status import pd_role
     from sglang_farskip.options import publish
     from sglang_farskip.serve.plugin import unregistered
 
