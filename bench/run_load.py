@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from sglang_farskip.loadtest import loadstats, report, routers, servermetrics, workload
-from sglang_farskip.loadtest.servers import BenchError, machine_facts, make_note, warm_up
+from sglang_farskip.loadtest.servers import BenchError, machine_facts, warm_up
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LABEL_RE = re.compile(r"^[A-Za-z0-9_.-]+$")  # labels become file names
@@ -322,7 +322,7 @@ def run(args) -> dict:
                                                    "keep_alive")},
         "levels": levels,
     }
-    results["note"] = make_note(results["machine"], facts, results["workload_line"], interleave.strip())
+    results["note"] = report.make_note(results["machine"], facts, results["workload_line"], interleave.strip())
     results["comparisons"] = [{"a": labels[0], "b": b, "ratios": report.ab_ratios(levels, labels[0], b)}
                               for b in labels[1:]]
     report.write_all(results, out)
@@ -363,7 +363,7 @@ def compare_saved(args) -> dict:
     extra = f"Compared from saved runs made {ra['created']} ({a}) and {rb['created']} ({b}), not interleaved."
     if ra["machine"] != rb["machine"]:
         extra += f" The {b} run was on another machine: {rb['machine']['cpu']}, {rb['machine']['cpus']} CPUs."
-    results["note"] = make_note(ra["machine"], results["targets"], ra["workload_line"], extra)
+    results["note"] = report.make_note(ra["machine"], results["targets"], ra["workload_line"], extra)
     report.write_all(results, out)
     results["out"] = str(out)
     return results

@@ -37,7 +37,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 _PROBE = r'''
 import json, sys, types
 from sglang_farskip.serve import launcher as L
-from sglang_farskip.serve.refusals import unsupported
+from sglang_farskip.parallel import unsupported
 from sglang.srt.model_executor.cuda_graph_config import default_cuda_graph_config
 out = {}
 for name, argv in json.loads(sys.argv[1]).items():
@@ -104,7 +104,7 @@ def test_deterministic_inference_is_refused_on_the_side_stream_only():
     # SGLang itself refuses deterministic inference with the CPU attention backend, so the rule
     # is checked on its own: only FarSkip's own NCCL communicator breaks batch invariance; on
     # the CPU comm thread the sum is SGLang's gloo all-reduce, as in sync mode.
-    from sglang_farskip.serve.refusals import unsupported
+    from sglang_farskip.parallel import unsupported
 
     args = type("Args", (), {"enable_deterministic_inference": True})()
     (line,) = unsupported(args, overlap=True, side_stream=True)

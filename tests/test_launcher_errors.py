@@ -179,7 +179,7 @@ def test_tc_piecewise_prefill_graphs_are_refused_with_overlap(refused):
     # already rejects the value when parsing; compat refuses it where a version still takes it.
     import types
 
-    from sglang_farskip.serve.refusals import unsupported
+    from sglang_farskip.parallel import unsupported
 
     assert_refused(refused["tc_piecewise"], "invalid SGLang arguments")
     phase = types.SimpleNamespace

@@ -1,14 +1,18 @@
 """FarSkip-Collective MoE models (DeepSeek-V3, Instella-MoE) served by SGLang 0.5.23.
 
-The folders are the layers (README.md, "Layout", has a line per module):
+What lives where (README.md, "Layout", has a line per module). Which of these may import
+which is written once, as the layers contract in pyproject.toml [tool.importlinter],
+lowest last; tests/test_layers.py enforces it.
 
     the model        config.py, options.py, checkpoint.py   what a checkpoint and the launcher say
                      schedule.py      the FarSkip lane loop, written once (SGLang-free)
                      reference.py     the executable spec, plain PyTorch
                      comm.py, nccl.py, profiler.py   every collective, as handles
-                     parallel.py      FarSkip's parallel set-up inside SGLang
-                     models/          the SGLang model classes: upstream's layers, the schedule
-    serving          serve/           launcher, plugin, refusals, status, redaction, timeouts, watchdog
+                     parallel.py      FarSkip's parallel set-up inside SGLang, and what it refuses
+                     models/          the SGLang model classes: upstream's layers, the schedule;
+                                      each rank's status report
+    serving          serve/           launcher, plugin, admission, admin, redaction, timeouts, KV transfer,
+                                      watchdog
     SGLang on CPU    cpu/             environment and fixes, attention paths
     tools            tools/           demo checkpoints, convert, patches
                      plan.py, plan_pd.py   the planner (python -m sglang_farskip.plan), its PD view

@@ -59,7 +59,7 @@ def _record(kind: str, key: str) -> None:
         return
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_farskip.serve.status import update_rank_status
+    from sglang_farskip.models.status import update_rank_status
 
     _evidence[kind][key] += 1
     update_rank_status(get_parallel().tp_rank, **{k: dict(v) for k, v in _evidence.items()})

@@ -1,6 +1,7 @@
 """Write a run's outputs: results.json (everything), results.csv (one row per label and level),
 ab_ratios.csv (A/B only: one row per compared pair and level), ttft.png and itl.png, and
-report.md that ties them together."""
+report.md that ties them together, opened by its note (the machine, the targets compared, the
+workload)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,43 @@ def _ratio_table(ab: dict) -> list[str]:
     for row in ab["ratios"]:
         lines.append(f"| {row['concurrency']} | " + " | ".join(_fmt(row[k], 3) for k in keys) + " |")
     return lines
+
+
+def describe_target(label: str, facts: dict) -> str:
+    if facts.get("router"):
+        return routers.describe(label, facts) + _speculative(facts)
+    mode = facts.get("farskip_mode")
+    if not mode:
+        what = "not a sglang-farskip server (no /farskip/info)"
+    elif mode == "off" or not facts.get("farskip"):
+        what = f"FarSkip mode `{mode}`"
+    else:
+        what = f"FarSkip mode `{mode}` ({facts['farskip']})"
+    return (f"**{label}** = {facts['url']}: {what}{_speculative(facts)}, SGLang {facts.get('version', '?')}, "
+            f"model `{facts.get('model_path', '?')}`")
+
+
+def _speculative(facts: dict) -> str:
+    algorithm = facts.get("speculative_algorithm")
+    if not algorithm:
+        return ""
+    shape = ", ".join(f"{name} {facts[key]}" for name, key in (
+        ("steps", "speculative_num_steps"), ("top-k", "speculative_eagle_topk"),
+        ("draft tokens", "speculative_num_draft_tokens")) if facts.get(key) is not None)
+    return f", speculative decoding {algorithm}" + (f" ({shape})" if shape else "")
+
+
+def make_note(machine: dict, targets: dict, args_line: str, extra: str = "") -> str:
+    m = machine
+    lines = [f"Machine: {m['cpu']}, {m['cpus']} CPUs, {m['memory_gib']} GiB, GPU {m['gpu']}; {m['os']}, Python {m['python']}.",
+             "Compared: " + "; ".join(describe_target(lbl, f) for lbl, f in targets.items()) + ".",
+             f"Workload: {args_line}; temperature 0, ignore_eos, streaming."]
+    paths = {f.get("model_path") for f in targets.values()}
+    if len(targets) >= 2 and len(paths) > 1:
+        lines.append("WARNING: the servers load different checkpoints, so this is not a same-weights A/B.")
+    if extra:
+        lines.append(extra)
+    return "  \n".join(lines)
 
 
 def write_all(results: dict, out: Path) -> dict[str, Path]:

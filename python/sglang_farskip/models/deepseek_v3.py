@@ -46,8 +46,8 @@ from sglang.srt.utils import BumpAllocator, use_intel_amx_backend
 from sglang_farskip import boundary, options, parallel, schedule
 from sglang_farskip.comm import Communicator
 from sglang_farskip.config import FarSkipConfig, FarSkipMode, is_moe_layer
+from sglang_farskip.models.status import model_report, write_rank_status
 from sglang_farskip.schedule import LayerWiring
-from sglang_farskip.serve.status import model_report, write_rank_status
 
 logger = logging.getLogger("sglang_farskip.model")
 

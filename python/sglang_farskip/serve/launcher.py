@@ -310,7 +310,7 @@ def _wait_ready_and_verify(base_url: str, status_dir: str, ranks: int, timeout: 
                            curl_hint: str) -> None:
     """Runs in a thread beside the server: once it answers, every local rank must have
     reported the FarSkip class; otherwise the server is stopped (the plugin did not load)."""
-    from sglang_farskip.serve.status import read_rank_statuses
+    from sglang_farskip.models.status import read_rank_statuses
 
     if not wait_healthy(base_url, timeout):
         return  # SGLang reports its own start-up failures; nothing to verify
@@ -341,7 +341,7 @@ def _stop_server() -> None:
 def _add_info_route(status_dir: str, launch_info: dict) -> None:
     from sglang.srt.entrypoints.http_server import app
 
-    from sglang_farskip.serve.status import read_rank_statuses
+    from sglang_farskip.models.status import read_rank_statuses
 
     @app.get("/farskip/info")
     async def farskip_info():
@@ -488,7 +488,7 @@ def _refuse_what_farskip_cannot_run(server_args, config: dict, farskip: FarSkipC
     here, before any process starts (docs/serving.md, "What the launcher refuses")."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from sglang_farskip.serve.refusals import unsupported, uses_side_stream
+    from sglang_farskip.parallel import unsupported, uses_side_stream
 
     resolved = resolving_view(server_args)
     _check_mla_layout(server_args, config)
@@ -521,7 +521,7 @@ def _launch_info(server_args, given: GivenArgs, own: argparse.Namespace, model_p
     """What this launch decided: logged checks after start-up use it, GET /farskip/info serves it."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from sglang_farskip.serve.status import pd_role
+    from sglang_farskip.models.status import pd_role
 
     resolved = resolving_view(server_args)
     return {

@@ -4,6 +4,9 @@ SGLang builds the model in spawned scheduler processes and its registry swallows
 errors, so the launcher cannot trust what it asked for. Each rank's model writes one JSON file
 into the directory named by SGLANG_FARSKIP_STATUS_DIR (set by the launcher, inherited by every
 child); the launcher serves them at GET /farskip/info and refuses to run without them.
+It sits beside the models, which write it (cpu/attention.py adds its counters), so that no
+model imports from serve/; SGLang's registry imports it with the model classes, and it
+registers nothing (no EntryClass).
 """
 
 from __future__ import annotations
