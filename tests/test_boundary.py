@@ -1,4 +1,4 @@
-"""The boundary with SGLang is one table (python/sglang_farskip/boundary/table.py), and what is
+"""The boundary with SGLang is one table (python/sglang_farskip/boundary/table.csv), and what is
 installed is what it says:
 - one module installs (HookRegistry.register, `__class__ =`): boundary/installer.py;
 - in a CPU run of the plugin and the launcher's HTTP set-up, every installed row is in place,

@@ -4,7 +4,7 @@ admission.py, admin.py): each hostile request below, sent with the inference key
 after and still serves. The admin routes answer 403 to the inference key, 401 to no key, and
 serve the admin key; a server with no admin key answers 403 to everyone.
 
-Without admission.py's rows in python/sglang_farskip/boundary/table.py, the first case ends the
+Without admission.py's rows in python/sglang_farskip/boundary/table.csv, the first case ends the
 server (topk out of range in the scheduler), and the test fails there; without admin.py's rows,
 the inference key gets 200 from /pause_generation.
 """

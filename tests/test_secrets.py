@@ -5,7 +5,7 @@ of SGLang's server-info endpoints, whether the key came as `--api-key` or as FAR
 
 Before python/sglang_farskip/serve/redact.py, SGLang's start-up `server_args=` line printed both keys
 and `/server_info` and `/get_server_info` returned them; with redact.py's rows removed from
-python/sglang_farskip/boundary/table.py this test fails on the first of those.
+python/sglang_farskip/boundary/table.csv this test fails on the first of those.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def swap_class(obj, cls) -> None:
     owner = f"{cls.__module__}:{cls.__qualname__}"
     row = next((r for r in ROWS if r.kind == "class-swap" and r.owner == owner), None)
     if row is None:
-        raise RuntimeError(f"{owner} is not a class-swap of sglang_farskip/boundary/table.py")
+        raise RuntimeError(f"{owner} is not a class-swap of sglang_farskip/boundary/table.csv")
     base = pkgutil.resolve_name(row.target)
     if type(obj) is not base or not issubclass(cls, base):
         raise RuntimeError(f"class swap {row.target} -> {owner}: the object is a {type(obj).__qualname__}")

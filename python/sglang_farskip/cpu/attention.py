@@ -18,7 +18,7 @@ calls in plain PyTorch (an explicit float32 softmax, per request).
 
 Upstream's own code runs in between: the latent is still written to the compressed cache by
 `forward_normal_prepare`, decode still reads it absorbed. Two GPU kernels on that path get CPU
-twins (rows of sglang_farskip/boundary/table.py, installed on CPU runs only; for a non-CPU tensor
+twins (rows of sglang_farskip/boundary/table.csv, installed on CPU runs only; for a non-CPU tensor
 they still call upstream's kernel): `merge_state` through an AROUND hook, and the chunk-index
 builder, a Triton kernel, by replacing the module attribute upstream looks up at call time.
 The torch_native MLA handler (`handle_attention_torch_native`) and the chunked-prefix backend

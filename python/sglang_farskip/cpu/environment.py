@@ -161,7 +161,7 @@ _applied = False
 
 
 def apply_cpu_fixes() -> None:
-    """Install the table's "cpu" rows (sglang_farskip/boundary/table.py): the fixes above and
+    """Install the table's "cpu" rows (sglang_farskip/boundary/table.csv): the fixes above and
     the torch_native attention paths. Idempotent; harmless on GPU (they touch CPU-only code
     paths), but only called when SGLang runs on CPU."""
     global _applied

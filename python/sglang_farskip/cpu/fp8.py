@@ -17,7 +17,7 @@ Activations are not quantized (GPU kernels quantize them per 128 channels): the 
 for checking FarSkip's wiring and serving small models, not for matching GPU FP8 bit for bit.
 
 Installed as an AFTER hook on `Fp8Config.get_quant_method` (a row of
-sglang_farskip/boundary/table.py: plugin load, CPU runs only); a CPU where SGLang's AMX path is
+sglang_farskip/boundary/table.csv: plugin load, CPU runs only); a CPU where SGLang's AMX path is
 available keeps upstream's (`without_amx`).
 """
 

@@ -22,7 +22,7 @@ torch-native twins in the sgl_kernel stand-in, python/cpu_shim/sgl_kernel/specul
    and head) ends in `torch.cuda.synchronize()`, which raises without a CUDA driver; on CPU the
    hook below does the same swap without it.
 
-The hooks and the backend are rows of sglang_farskip/boundary/table.py, installed on CPU runs
+The hooks and the backend are rows of sglang_farskip/boundary/table.csv, installed on CPU runs
 (every SGLang process, plugin load).
 """
 
@@ -211,5 +211,5 @@ def set_embed_and_head_on_cpu(original, model, embed, head):
 
 def torch_native_backend(model_runner):
     """The factory SGLang's attention registry calls for "torch_native" on CPU (a registry row of
-    sglang_farskip/boundary/table.py): one backend class for every path above."""
+    sglang_farskip/boundary/table.csv): one backend class for every path above."""
     return backend_class()(model_runner)

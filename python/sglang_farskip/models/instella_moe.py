@@ -95,7 +95,7 @@ def _add_gate(attn: DeepseekV2AttentionMLA, config, prefix: str) -> None:
         prefix=prefix,
         parallel_group="attn_tp",  # the heads' split: q_proj, kv_b_proj and o_proj use it too
     )
-    # Upstream builds both by name; only these instances change (boundary/table.py says why).
+    # Upstream builds both by name; only these instances change (boundary/table.csv says why).
     boundary.swap_class(attn.o_proj, GatedOProj)
     boundary.swap_class(attn, GatedMLA)
 

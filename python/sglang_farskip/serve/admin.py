@@ -5,7 +5,7 @@ no admin key, the API key opens them, so every client could pause generation
 (`/pause_generation`: the health check then fails and a deployment restarts), have every user's
 prompts written to a folder it names (`/configure_logging`), abort everyone's requests, flush the
 cache, profile, load weights or adapters. The hooks below (rows of
-sglang_farskip/boundary/table.py, installed by the launcher in its HTTP process) raise each of
+sglang_farskip/boundary/table.csv, installed by the launcher in its HTTP process) raise each of
 them to SGLang's own `ADMIN_FORCE` level as SGLang's key middleware looks the level up, whose
 rule is the one we want: the admin key (`--admin-api-key`, the entrypoint's ADMIN_API_KEY) and
 nothing else, 403 when the server has none. SGLang installs that middleware only when a key is

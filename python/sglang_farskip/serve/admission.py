@@ -11,7 +11,7 @@ there one request from any key holder ends the server (and, deployed, restarts b
   for more work than the server does in hours (n=100000 wedged the demo server).
 Each is answered here with a 400 naming the field the client sent, its value and the limit.
 
-Where it runs (SGLang's hook registry, no patch; rows of sglang_farskip/boundary/table.py): the
+Where it runs (SGLang's hook registry, no patch; rows of sglang_farskip/boundary/table.csv): the
 HTTP process only (the launcher installs them after `configure()`), at these points:
 1. `TokenizerManager.generate_request` (BEFORE): every route that generates passes here, before
    SGLang expands `n` or tokenizes; a ValueError is SGLang's own 400 on non-streaming routes,

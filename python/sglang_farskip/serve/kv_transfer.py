@@ -32,7 +32,7 @@ logger = logging.getLogger("sglang_farskip.serve.kv_transfer")
 
 def missing_room_is_failed(original, manager, bootstrap_room, *args, **kwargs):
     """AROUND CommonKVManager.check_status (every SGLang process, every device; the plugin
-    installs it from sglang_farskip/boundary/table.py)."""
+    installs it from sglang_farskip/boundary/table.csv)."""
     try:
         return original(manager, bootstrap_room, *args, **kwargs)
     except KeyError:

@@ -3,7 +3,7 @@
 SGLang calls `register()` in every process it spawns (HTTP server, each scheduler/TP worker,
 detokenizer), because a spawned worker inherits none of the launcher's in-memory changes; a
 forked one (on CPU, cpu/environment.py) inherits them, and SGLang does not load plugins twice. It
-installs the rows of the boundary table (sglang_farskip/boundary/table.py) for every process and,
+installs the rows of the boundary table (sglang_farskip/boundary/table.csv) for every process and,
 on CPU, for CPU runs:
 1. applies the CPU fixes when SGLang runs on CPU (see cpu/environment.py);
 2. puts the FarSkip classes in SGLang's model registry under "DeepseekV3ForCausalLM" and

@@ -11,7 +11,7 @@ Two more print settings with neither: `ServerArgs.__repr__`, and
 `TokenizerManager._server_args_for_dump`, which hands the ServerArgs object itself to a crash
 dump unless watermarking is on.
 
-The four AROUND hooks below (rows of sglang_farskip/boundary/table.py, installed through SGLang's
+The four AROUND hooks below (rows of sglang_farskip/boundary/table.csv, installed through SGLang's
 HookRegistry by the plugin and applied by `load_plugins()` in every SGLang process, the
 launcher's included, before any of them runs) make
 `--api-key` and `--admin-api-key` read `<redacted>` wherever the watermark secrets do.
