@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_farskip import fp8, memory, plan, plan_pd
+from sglang_farskip import memory, plan, plan_pd
 from sglang_farskip.errors import UserError
+from sglang_farskip.formats import fp8
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,6 +6,7 @@ The folders are the layers (README.md, "Layout", has a line per module):
                      schedule.py      the FarSkip lane loop, written once (SGLang-free)
                      reference.py     the executable spec, plain PyTorch
                      comm.py, nccl.py, profiler.py   every collective, as handles
+                     formats/         weight formats: DeepSeek's block FP8, the requantizer
                      parallel.py      FarSkip's parallel set-up inside SGLang
                      models/          the SGLang model classes: upstream's layers, the schedule
     serving          serve/           launcher, plugin, refusals, status, redaction, timeouts, watchdog

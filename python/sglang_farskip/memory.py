@@ -34,7 +34,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Iterator
 
-from sglang_farskip import fp8
+from sglang_farskip.formats import fp8
 
 if TYPE_CHECKING:
     from sglang_farskip.plan import Shape

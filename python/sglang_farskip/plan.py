@@ -52,9 +52,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from sglang_farskip import fp8, memory
+from sglang_farskip import memory
 from sglang_farskip.config import FarSkipConfig, is_moe_layer
 from sglang_farskip.errors import ArgumentParser, UserError, run_main
+from sglang_farskip.formats import fp8
 
 BF16 = 2  # bytes per element of every partial sum the collectives carry
 

@@ -66,7 +66,7 @@ def weight_format(cfg: Any) -> str:
     raise UserError(
         f"quantization_config {quant!r} is not DeepSeek's block FP8 (quant_method fp8, e4m3, "
         f"weight_block_size [{BLOCK}, {BLOCK}]), the one quantized format sglang_farskip serves and "
-        "checks: serve a bf16 copy, or requantize one with `python -m sglang_farskip.quantize`"
+        "checks: serve a bf16 copy, or requantize one with `python -m sglang_farskip.formats.quantize`"
     )
 
 
