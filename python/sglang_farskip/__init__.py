@@ -12,7 +12,8 @@ The folders are the layers (README.md, "Layout", has a line per module):
     serving          serve/           launcher, plugin, refusals, status, redaction, timeouts, watchdog
     SGLang on CPU    cpu/             environment and fixes, attention paths
     tools            tools/           demo checkpoints, convert, patches
-                     plan.py, plan_pd.py   the planner (python -m sglang_farskip.plan), its PD view
+                     plan/            the planner (python -m sglang_farskip.plan): shapes, collectives,
+                                      replay, memory, its PD view
                      fcsd/            the self-distillation (python -m sglang_farskip.fcsd)
     running things   checks/          the bare GPU check (torch only) and the device check
                      testbed/         ports, servers, network namespaces (tests/ and bench/)
