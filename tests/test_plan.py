@@ -1,5 +1,5 @@
 """sglang_farskip.plan (python -m sglang_farskip.plan): the schedule it replays, the cluster tables it reads, the bounds it must obey,
-and the figures of shared/notes/perf-model.md it must reproduce; its memory figures (memory.py) against
+and the figures docs/planner.md says it reproduces; its memory figures (memory.py) against
 DeepSeek's published sizes. Pure Python but for torch, which fp8.py (the FP8 tensor rule) imports."""
 
 from __future__ import annotations

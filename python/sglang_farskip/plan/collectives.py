@@ -60,7 +60,7 @@ class LinkModel:
                                    mbit=self.mbit / factor)
 
 
-_TOKEN = 7168 * BF16  # sizes of perf-model.md section 3's columns: one DeepSeek-V3 token is 14,336 B
+_TOKEN = 7168 * BF16  # the built-in tables' columns, in DeepSeek-V3 tokens of 14,336 B (bf16 sums)
 _SIZES = [1 * _TOKEN, 16 * _TOKEN, 64 * _TOKEN, 256 * _TOKEN, 1024 * _TOKEN, 2048 * _TOKEN,
           4096 * _TOKEN, 8192 * _TOKEN, 65536 * _TOKEN]
 
@@ -69,7 +69,8 @@ def _published(name, ranks, us, source):
     return CommTable(name, source, ranks, tuple(zip(_SIZES, us)))
 
 
-# perf-model.md section 3 (all_reduce, bf16 message sizes, us), each with the note's source.
+# Published all_reduce_perf runs (bf16 message sizes, us), each with its source; docs/planner.md,
+# "Measure your cluster", lists them.
 BUILTIN_CLUSTERS = {c.name: c for c in [
     _published("amd-good", 16, [56, 67, 79, 114, 240, 362, 563, 941, 4873],
                "2x8 MI355X, Pollara 400 + ANP, RCCL 2.26.6: hisohara/ai-scripts training/01_rccl-smoketest/README.md"),

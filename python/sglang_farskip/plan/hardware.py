@@ -15,7 +15,7 @@ from sglang_farskip.plan.shapes import BF16, Shape
 
 @dataclasses.dataclass(frozen=True)
 class Gpu:
-    """Peaks (TFLOP/s dense, TB/s) and the efficiencies perf-model.md section 4.2 chose; memory."""
+    """Peaks (TFLOP/s dense, TB/s), the vendor that picks its EFFICIENCY row, and memory."""
 
     name: str
     tflops_bf16: float
@@ -34,16 +34,16 @@ _MIB = 1 << 20
 BUILTIN_GPUS = {g.name: g for g in [
     Gpu("H100", 989, 1979, 3.35, "nv", "NVIDIA H100 SXM datasheet", 80, 81559 * _MIB,
         "nvidia-smi 81559 MiB (modal-labs/modal-client PR 2797)"),
-    Gpu("H200", 989, 1979, 4.8, "nv", "datacrunch.io H200 blog (perf-model.md 4.2)", 141, 143771 * _MIB,
+    Gpu("H200", 989, 1979, 4.8, "nv", "datacrunch.io H200 blog", 141, 143771 * _MIB,
         "nvidia-smi 143771 MiB"),
-    Gpu("MI300X", 1307, 2615, 5.3, "amd", "docs.vultr.com inference-cookbook (perf-model.md 4.2)", 192,
+    Gpu("MI300X", 1307, 2615, 5.3, "amd", "docs.vultr.com inference-cookbook", 192,
         206141652992, "rocm-smi VRAM Total Memory (ROCm issue 4750)"),
-    Gpu("MI325X", 1307, 2615, 6.0, "amd", "docs.vultr.com inference-cookbook (perf-model.md 4.2)", 256,
+    Gpu("MI325X", 1307, 2615, 6.0, "amd", "docs.vultr.com inference-cookbook", 256,
         256 * 10**9, "datasheet 256 GB as 1e9 bytes: no driver report found, likely ~7% low"),
 ]}
 
 # (HBM, GEMM, MoE, attention core as fractions; which peak the FLOP fractions apply to; kernel us).
-# perf-model.md 4.2, except the NV BF16 row, which is this planner's own choice.
+# The table of docs/planner.md, "Roofline"; the NV BF16 row is this planner's own choice.
 EFFICIENCY = {
     ("nv", "fp8"): (0.70, 0.45, 0.35, 0.50, "fp8", "bf16", 4.0),
     ("nv", "bf16"): (0.70, 0.60, 0.50, 0.50, "bf16", "bf16", 4.0),
@@ -66,7 +66,7 @@ class Roofline:
         self.f_gemm, self.f_moe = gemm * peak[mm_peak] * 1e12, moe * peak[mm_peak] * 1e12
         self.f_core = core * peak[core_peak] * 1e12
         self.bpp = 1 if dtype == "fp8" else 2
-        self.label = f"roofline {gpu.name} {dtype} ({gpu.source}; efficiencies of perf-model.md 4.2)"
+        self.label = f"roofline {gpu.name} {dtype} ({gpu.source}; efficiencies of docs/planner.md, Roofline)"
 
     def _time(self, op: str, flop_s: float, nbytes: float) -> float:
         return max(flop_s, nbytes / self.bw) * 1e6 + KERNELS[op] * self.t_k

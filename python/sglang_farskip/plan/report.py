@@ -208,7 +208,7 @@ def paper_report(contentions=(0.0, 0.15, 0.30)) -> tuple[str, list]:
                      + ("; ".join(inside) if inside else "none of these rows"))
         lines.append("")
     lines.append("Speed-up = stock step / FarSkip-overlap step (the paper's baseline is the stock model), per-op "
-                 "times from the roofline of perf-model.md 4.1-4.2, g = contention (overlapped compute keeps 1-g "
+                 "times from the roofline of docs/planner.md, g = contention (overlapped compute keeps 1-g "
                  "of its speed). 'hidden' is at g = 0; the ceiling is 115 of 119 ARs (96.6%).")
     return "\n".join(lines), records
 

@@ -82,8 +82,8 @@ def shape_from_config(cfg: dict, name: str) -> Shape:
     )
 
 
-# The two built-in checkpoints' shapes (DeepSeek-V3's config.json; Instella-MoE-16B-A3B's, as
-# read in shared/notes/instella-moe.md), both with FarSkip on every layer and without a
+# The two built-in checkpoints' shapes (DeepSeek-V3's config.json; AMD's config.json of
+# Instella-MoE-16B-A3B, docs/instella-moe.md), both with FarSkip on every layer and without a
 # quantization_config (their weight format is bf16 unless --dtype says otherwise).
 # DeepSeek-V3 ships one MTP layer (num_nextn_predict_layers 1): memory.py counts its weights.
 BUILTIN_MODELS = {
