@@ -1,4 +1,4 @@
-"""Per-op times of the CPU testbed, in python/sglang_farskip/plan.py's --ops schema, and the planner's prediction
+"""Per-op times of the CPU testbed, in the planner's --ops schema (python/sglang_farskip/plan/hardware.py), and the planner's prediction
 of bench/overlap_bench.py's overlap/sync ratios from them.
 
     .venv/bin/python bench/plan_testbed.py --out testbed_ops.json [--tp 2] [--threads 1]
@@ -12,10 +12,10 @@ thread per rank (the testbed gives each of its two ranks one core). overlap_benc
 prefill of one 512-token prompt; decode of 32 sequences with a few dozen tokens of context.
 
 What is not: SGLang's own CPU kernels and its per-step host work (scheduler, sampling, HTTP),
-which on this testbed are most of a step. python/sglang_farskip/plan.py takes those as --overhead-us (the same
+which on this testbed are most of a step. The planner (python/sglang_farskip/plan/) takes those as --overhead-us (the same
 in every mode, never overlapped): docs/planner.md says how to read it off a sync run.
 
---contention-probe (root: it builds overlap_bench.py's shaped veth link) measures plan.py's
+--contention-probe (root: it builds overlap_bench.py's shaped veth link) measures the planner's
 --contention knob on the testbed itself: two gloo ranks in their own namespaces, one core each,
 time the routed experts at --prefill's first size alone and then while a second thread keeps
 an all-reduce of that many hidden rows in flight (what FarSkip's comm thread does); the

@@ -172,7 +172,7 @@ def check_qkv_proj_with_rope(fn=amx.qkv_proj_with_rope_fused_weight):
 
 
 def check_fp8_scaled_mm(fn=amx.fp8_scaled_mm_cpu):
-    from sglang_farskip import fp8
+    from sglang_farskip.formats import fp8
 
     w = torch.randn(160, 256, generator=torch.Generator().manual_seed(1))  # a cut block in N
     q, scale = fp8.quantize(w)
@@ -184,7 +184,7 @@ def check_fp8_scaled_mm(fn=amx.fp8_scaled_mm_cpu):
 def check_fp8_experts(fn=amx.fused_experts_cpu):
     """FP8 experts (per-expert block scales, as Fp8MoEMethod passes them) = the same experts
     with their weights dequantized (fp8.dequantize), through the bf16 formula above."""
-    from sglang_farskip import fp8
+    from sglang_farskip.formats import fp8
 
     t, h, i, e = 4, 256, 128, 2
     w1 = [fp8.quantize(torch.randn(2 * i, h, generator=torch.Generator().manual_seed(10 + x)) * 0.05) for x in range(e)]

@@ -76,7 +76,7 @@ def test_the_admin_routes_listed_are_the_routes_that_need_the_admin_key():
 
 def test_every_planner_flag_is_documented():
     """docs/planner.md names every flag `python -m sglang_farskip.plan` takes, --pd's included."""
-    from sglang_farskip.plan import build_parser
+    from sglang_farskip.plan.cli import build_parser
 
     text = (ROOT / "docs" / "planner.md").read_text()
     flags = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"}

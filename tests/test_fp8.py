@@ -2,7 +2,7 @@
 dequantized weights and the reference.
 
 The checkpoint is the FP8 demo (`--demo deepseek-v3-fp8`: the demo at 128-aligned widths,
-requantized by sglang_farskip.quantize). SGLang computes FP8 in bf16 on CPU, so logprobs cannot
+requantized by sglang_farskip.formats.quantize). SGLang computes FP8 in bf16 on CPU, so logprobs cannot
 meet the suite's float32 tolerance against the reference; the checks are a chain instead:
 
 1. overlap == sync, bit for bit, at TP=1 and TP=2/EP=2 (the same sums in the same order);

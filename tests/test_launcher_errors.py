@@ -75,8 +75,8 @@ BAD_WEIGHTS = {  # (config changes, flags, fragments of the error)
     "fp8_in_float16_on_cpu": (FP8, ["--dtype", "float16"], ["--dtype float16", "bfloat16 on CPU"]),
     "fp8_q_lora_not_aligned": ({**FP8, "q_lora_rank": 96}, [], ["q_lora_rank 96 is not a multiple of 128"]),
     "other_quantization": ({"quantization_config": {"quant_method": "awq", "bits": 4}}, [],
-                           ["is not DeepSeek's block FP8", "python -m sglang_farskip.quantize"]),
-    "online_quantization_on_cpu": ({}, ["--quantization", "fp8"], ["--quantization fp8 on CPU", "sglang_farskip.quantize"]),
+                           ["is not DeepSeek's block FP8", "python -m sglang_farskip.formats.quantize"]),
+    "online_quantization_on_cpu": ({}, ["--quantization", "fp8"], ["--quantization fp8 on CPU", "sglang_farskip.formats.quantize"]),
 }
 BAD_LIMITS = {
     "max_n_zero": (["--farskip-max-n", "0"], ["--farskip-max-n 0", "at least 1"]),

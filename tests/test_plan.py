@@ -1,5 +1,5 @@
 """sglang_farskip.plan (python -m sglang_farskip.plan): the schedule it replays, the cluster tables it reads, the bounds it must obey,
-and the figures of shared/notes/perf-model.md it must reproduce; its memory figures (memory.py) against
+and the figures docs/planner.md says it reproduces; its memory figures (memory.py) against
 DeepSeek's published sizes. Pure Python but for torch, which fp8.py (the FP8 tensor rule) imports."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang_farskip import fp8, memory, plan, plan_pd
 from sglang_farskip.errors import UserError
+from sglang_farskip.formats import fp8
+from sglang_farskip.plan import cli, collectives, hardware, memory, report, shapes, simulation
+from sglang_farskip.plan import pd as plan_pd
 
 REPO = Path(__file__).resolve().parents[1]
 
-DSV3 = plan.load_shape("deepseek-v3")
+DSV3 = shapes.load_shape("deepseek-v3")
 
 # A few rows of a real two-node all_reduce_perf run's format (nccl-tests 2.13: root column,
 # #wrong per half), behind mpirun --tag-output prefixes as rccl-tests logs often are.
@@ -42,20 +44,20 @@ SAMPLE = """\
 
 
 def _plan(phase, comm, contention=0.0, shape=DSV3, tp=16, dp=1, gpu="H200", dtype="fp8"):
-    layout = plan.Layout(tp, dp, max(1, tp // 8))
-    return plan.make_plan(shape, layout, phase, plan.Roofline(shape, plan.BUILTIN_GPUS[gpu], dtype), comm, contention)
+    layout = simulation.Layout(tp, dp, max(1, tp // 8))
+    return simulation.make_plan(shape, layout, phase, hardware.Roofline(shape, hardware.BUILTIN_GPUS[gpu], dtype), comm, contention)
 
 
 def _decode(batch, ctx=2048):
-    return plan.Phase("decode", batch, ctx, batch)
+    return simulation.Phase("decode", batch, ctx, batch)
 
 
 def _prefill(n, batch=1):
-    return plan.Phase("prefill", batch * n, n, batch)
+    return simulation.Phase("prefill", batch * n, n, batch)
 
 
 def test_structural_ceiling_is_115_of_119_for_deepseek_v3():
-    p = _plan(_decode(64), plan.BUILTIN_CLUSTERS["nv-ib"])
+    p = _plan(_decode(64), collectives.BUILTIN_CLUSTERS["nv-ib"])
     assert len(p.runs["stock"].collectives) == 122  # two blocking ARs per layer
     assert len(p.runs["sync"].collectives) == len(p.runs["overlap"].collectives) == 119
     assert p.windowed_count == (115, 119)
@@ -65,26 +67,26 @@ def test_structural_ceiling_is_115_of_119_for_deepseek_v3():
 
 
 def test_lanes_hide_behind_the_windows_the_model_code_gives_them():
-    p = _plan(_decode(64), plan.BUILTIN_CLUSTERS["nv-ib"])
+    p = _plan(_decode(64), collectives.BUILTIN_CLUSTERS["nv-ib"])
     by = {(c.layer, c.label): c for c in p.ideal.collectives}
     assert by[(10, "AR(a+s)")].window_ops == ("routed[10]",)
     assert by[(10, "AR(r)")].window_ops == ("norm[11]", "attention[11]")
 
 
 def test_variants_move_the_waits():
-    cfg = dict(plan.BUILTIN_MODELS["deepseek-v3"], attn_only_farskip=True)
-    p = _plan(_decode(64), plan.BUILTIN_CLUSTERS["nv-ib"], shape=plan.shape_from_config(cfg, "attn-only"))
+    cfg = dict(shapes.BUILTIN_MODELS["deepseek-v3"], attn_only_farskip=True)
+    p = _plan(_decode(64), collectives.BUILTIN_CLUSTERS["nv-ib"], shape=shapes.shape_from_config(cfg, "attn-only"))
     assert len(p.runs["sync"].collectives) == 3 * 3 + 58 * 3 - 3  # AR(a) apart, dense AR(a)+AR(s)
     labels = {c.label for c in p.ideal.collectives if c.window_us == 0}
     assert labels == {"AR(a)", "AR(s)", "AR(r)"}  # AR(a) is read at once by the MLP
-    cfg = dict(plan.BUILTIN_MODELS["deepseek-v3"], mlp_only_farskip=True)
-    p = _plan(_decode(64), plan.BUILTIN_CLUSTERS["nv-ib"], shape=plan.shape_from_config(cfg, "mlp-only"))
+    cfg = dict(shapes.BUILTIN_MODELS["deepseek-v3"], mlp_only_farskip=True)
+    p = _plan(_decode(64), collectives.BUILTIN_CLUSTERS["nv-ib"], shape=shapes.shape_from_config(cfg, "mlp-only"))
     r_lane = [c for c in p.ideal.collectives if c.label == "AR(r)"]
     assert r_lane and all(c.window_us == 0 for c in r_lane)  # attention reads the full h
 
 
 def test_reproduces_perf_model_decode_b1_h200():
-    p = _plan(_decode(1), plan.BUILTIN_CLUSTERS["nv-ib"])
+    p = _plan(_decode(1), collectives.BUILTIN_CLUSTERS["nv-ib"])
     assert p.runs["stock"].step_us / 1000 == pytest.approx(13.1, abs=0.1)
     assert p.runs["overlap"].step_us / 1000 == pytest.approx(8.2, abs=0.1)
     assert p.speedup() == pytest.approx(1.61, abs=0.01)
@@ -93,7 +95,7 @@ def test_reproduces_perf_model_decode_b1_h200():
 
 def test_reproduces_perf_model_paper_prefill():
     phase = _prefill(2048, batch=32)
-    got = [_plan(phase, plan.BUILTIN_CLUSTERS["mi300x-xgmi"], g, tp=8, gpu="MI300X", dtype="bf16").speedup()
+    got = [_plan(phase, collectives.BUILTIN_CLUSTERS["mi300x-xgmi"], g, tp=8, gpu="MI300X", dtype="bf16").speedup()
            for g in (0.0, 0.15, 0.30)]
     assert [round(v, 2) for v in got] == [1.41, 1.33, 1.26]
 
@@ -102,7 +104,7 @@ def test_reproduces_perf_model_paper_prefill():
 @pytest.mark.parametrize("cluster", ["amd-good", "amd-poor", "h100-tcpxo"])
 @pytest.mark.parametrize("gamma", [0.0, 0.3])
 def test_speedup_obeys_the_bounds(phase, cluster, gamma):
-    p = _plan(phase, plan.BUILTIN_CLUSTERS[cluster], gamma)
+    p = _plan(phase, collectives.BUILTIN_CLUSTERS[cluster], gamma)
     assert 1.0 <= p.speedup() <= 1 / (1 - p.f) + 1e-9
     assert p.speedup() <= 1 / max(p.f, 1 - p.f) + 1e-9
     assert p.runs["overlap"].step_us >= p.ideal.step_us - 1e-6  # contention never helps
@@ -110,7 +112,7 @@ def test_speedup_obeys_the_bounds(phase, cluster, gamma):
 
 
 def test_free_communication_makes_all_modes_equal():
-    free = plan.LinkModel("free", "test", 16, mbit=1e30, latency_us=0.0)
+    free = collectives.LinkModel("free", "test", 16, mbit=1e30, latency_us=0.0)
     p = _plan(_prefill(4096), free, contention=0.3)
     steps = {m: r.step_us for m, r in p.runs.items()}
     assert steps["overlap"] == pytest.approx(steps["sync"], rel=1e-9)
@@ -119,23 +121,23 @@ def test_free_communication_makes_all_modes_equal():
 
 def test_contention_stretches_only_overlapped_compute():
     busy = [(10.0, 20.0)]
-    assert plan._advance(0.0, 5.0, busy, 0.5) == 5.0  # done before the collective starts
-    assert plan._advance(0.0, 17.0, busy, 0.5) == 22.0  # 10 free, 5 at half speed in 10 us, 2 after
-    assert plan._advance(12.0, 2.0, busy, 0.5) == 16.0
+    assert simulation._advance(0.0, 5.0, busy, 0.5) == 5.0  # done before the collective starts
+    assert simulation._advance(0.0, 17.0, busy, 0.5) == 22.0  # 10 free, 5 at half speed in 10 us, 2 after
+    assert simulation._advance(12.0, 2.0, busy, 0.5) == 16.0
 
 
 def test_parses_all_reduce_perf_output(tmp_path):
-    table = plan.parse_nccl_tests(SAMPLE, "h100_2node.txt")
+    table = collectives.parse_nccl_tests(SAMPLE, "h100_2node.txt")
     assert table.ranks == 4
     assert table.points[0] == (8192, 39.5)  # in-place column by default
-    assert plan.parse_nccl_tests(SAMPLE, "x", column="out").points[-1] == (16777216, 301.5)
+    assert collectives.parse_nccl_tests(SAMPLE, "x", column="out").points[-1] == (16777216, 301.5)
     assert table.us(4096) == 39.5  # latency floor below the table
     mid = math.sqrt(8192 * 16384)
     assert table.us(mid) == pytest.approx(math.sqrt(39.5 * 42.0))  # log-log between rows
     assert table.us(2 * 16777216) == pytest.approx(600.0)  # the last row's bandwidth beyond it
     f = tmp_path / "ar.txt"
     f.write_text(SAMPLE)
-    assert plan.main(["--cluster", str(f), "--tp", "4", "--decode", "1"]) == 0
+    assert cli.main(["--cluster", str(f), "--tp", "4", "--decode", "1"]) == 0
 
 
 def _one_error_line(capsys):
@@ -147,9 +149,9 @@ def _one_error_line(capsys):
 def test_malformed_cluster_file_exits_2_with_one_error_line(tmp_path, capsys):
     bad = tmp_path / "bad.txt"
     bad.write_text("# size count type\nthis is not a table\n")
-    assert plan.main(["--cluster", str(bad), "--decode", "8"]) == 2
+    assert cli.main(["--cluster", str(bad), "--decode", "8"]) == 2
     assert "no nccl-tests table" in _one_error_line(capsys)
-    assert plan.main(["--cluster", str(tmp_path / "absent.txt")]) == 2
+    assert cli.main(["--cluster", str(tmp_path / "absent.txt")]) == 2
     _one_error_line(capsys)
 
 
@@ -170,18 +172,18 @@ def _full_ops(tp=16):
 
 
 def test_measured_ops_interpolate_log_log(tmp_path):
-    ops = plan.MeasuredOps(str(_ops_file(tmp_path, _full_ops())))
+    ops = hardware.MeasuredOps(str(_ops_file(tmp_path, _full_ops())))
     assert ops("routed_experts", 256, 0, 16) == pytest.approx(100 * 4)  # power law 1 between 64 and 1024
     assert ops("attention_decode", 64, 1024, 16) == pytest.approx(100)  # geometric midpoint of 50 and 200
-    assert plan.main(["--ops", str(_ops_file(tmp_path, _full_ops())), "--decode", "256", "--context", "1024",
+    assert cli.main(["--ops", str(_ops_file(tmp_path, _full_ops())), "--decode", "256", "--context", "1024",
                       "--cluster", "nv-ib"]) == 0
 
 
 def test_missing_or_malformed_ops_exit_2(tmp_path, capsys):
     rows = [r for r in _full_ops() if r["op"] != "routed_experts"]
-    assert plan.main(["--ops", str(_ops_file(tmp_path, rows)), "--decode", "64"]) == 2
+    assert cli.main(["--ops", str(_ops_file(tmp_path, rows)), "--decode", "64"]) == 2
     assert "routed_experts" in _one_error_line(capsys)
-    assert plan.main(["--ops", str(_ops_file(tmp_path, [{"op": "attention_decode", "tokens": -1}])), "--decode", "64"]) == 2
+    assert cli.main(["--ops", str(_ops_file(tmp_path, [{"op": "attention_decode", "tokens": -1}])), "--decode", "64"]) == 2
     assert "malformed" in _one_error_line(capsys)
 
 
@@ -196,7 +198,7 @@ def _dp_counts(run):
 
 
 def test_dp_attention_lanes_hide_behind_the_model_codes_windows():
-    p = _plan(_decode(256), plan.BUILTIN_CLUSTERS["nv-ib"], tp=16, dp=2)
+    p = _plan(_decode(256), collectives.BUILTIN_CLUSTERS["nv-ib"], tp=16, dp=2)
     by = {(c.layer, c.label): c for c in p.ideal.collectives}
     assert by[(10, "AR(a+s)")].window_ops == ("routed[10]",)  # A lane: attention partial + shared
     assert by[(10, "AR(r)")].window_ops == ("norm[11]", "attention[11]")  # R lane: next attention
@@ -208,13 +210,13 @@ def test_dp_attention_lanes_hide_behind_the_model_codes_windows():
     # no attention-TP AR of its own in FarSkip; stock waits it, the gather and the reduce-scatter
     assert _dp_counts(p.runs["stock"]) == {"AR_attn(a)": 61, "AG(x)": 61, "RS(s+r)": 61}
     assert [c.stall_us for c in p.runs["stock"].collectives] == pytest.approx([c.us for c in p.runs["stock"].collectives])
-    assert p.costs.ar_attn == pytest.approx(plan.BUILTIN_CLUSTERS["nv-ib"].us(256 / 2 * DSV3.hidden * 2))
+    assert p.costs.ar_attn == pytest.approx(collectives.BUILTIN_CLUSTERS["nv-ib"].us(256 / 2 * DSV3.hidden * 2))
     attn_ar = {round(c.link_bytes) for c in p.runs["stock"].collectives if c.label == "AR_attn(a)"}
     assert attn_ar == {round(2 * 7 / 8 * 128 * DSV3.hidden * 2)}  # 128 local rows over attention TP 8
 
 
 def test_dp_embedding_gather_is_one_exposed_all_reduce():
-    comm = plan.BUILTIN_CLUSTERS["mi300x-xgmi"]
+    comm = collectives.BUILTIN_CLUSTERS["mi300x-xgmi"]
     for run in ("sync", "overlap"):
         p = _plan(_decode(256), comm, tp=8, dp=8)
         embed = [c for c in p.runs[run].collectives if c.label == "AR(embed)"]
@@ -228,7 +230,7 @@ def test_dp_embedding_gather_is_one_exposed_all_reduce():
 def test_dp_sync_step_is_compute_plus_every_all_reduce():
     """FarSkip-sync waits each collective: its step is compute + (1 embedding gather + 61 A lanes
     + 58 R lanes) x AR(T x hidden). Fails if the embedding gather were dropped."""
-    p = _plan(_prefill(4096), plan.BUILTIN_CLUSTERS["mi300x-xgmi"], tp=8, dp=8)
+    p = _plan(_prefill(4096), collectives.BUILTIN_CLUSTERS["mi300x-xgmi"], tp=8, dp=8)
     c, sync = p.costs, p.runs["sync"]
     assert sync.comm_us == pytest.approx(120 * c.ar_layer)
     assert sync.exposed_us == pytest.approx(120 * c.ar_layer)
@@ -241,7 +243,7 @@ def test_dp_sync_step_is_compute_plus_every_all_reduce():
 
 
 def test_dp_at_d_equal_n_farskip_moves_twice_stocks_bytes_per_moe_layer():
-    link = plan.LinkModel("link", "test", 8, mbit=400_000, latency_us=0.0)  # pure bandwidth
+    link = collectives.LinkModel("link", "test", 8, mbit=400_000, latency_us=0.0)  # pure bandwidth
     p = _plan(_decode(256), link, tp=8, dp=8)
     assert p.layout.attn_tp == 1 and p.costs.ar_attn == 0.0
     for k in (3, 30, 60):
@@ -256,7 +258,7 @@ def test_dp_at_d_equal_n_farskip_moves_twice_stocks_bytes_per_moe_layer():
 
 
 def test_dp_free_communication_makes_all_modes_equal_but_for_the_row_work():
-    free = plan.LinkModel("free", "test", 16, mbit=1e30, latency_us=0.0)
+    free = collectives.LinkModel("free", "test", 16, mbit=1e30, latency_us=0.0)
     for phase in (_decode(256), _prefill(4096)):
         p = _plan(phase, free, contention=0.3, tp=16, dp=4)
         steps = {m: r.step_us for m, r in p.runs.items()}
@@ -271,7 +273,7 @@ def test_dp_free_communication_makes_all_modes_equal_but_for_the_row_work():
 @pytest.mark.parametrize("phase", [_decode(1), _decode(256), _prefill(4096)])
 @pytest.mark.parametrize("dp", [2, 4, 16])
 def test_dp_steps_obey_their_floors(cluster, phase, dp):
-    p = _plan(phase, plan.BUILTIN_CLUSTERS[cluster], 0.15, tp=16, dp=dp)
+    p = _plan(phase, collectives.BUILTIN_CLUSTERS[cluster], 0.15, tp=16, dp=dp)
     o, s = p.runs["overlap"], p.runs["sync"]
     assert o.step_us <= s.step_us + 1e-6
     assert o.step_us >= max(o.compute_us, o.comm_us) - 1e-6  # one FIFO stream, one compute stream
@@ -279,13 +281,13 @@ def test_dp_steps_obey_their_floors(cluster, phase, dp):
 
 
 def test_dp_partial_conversions_plan_with_the_same_lanes():
-    cfg = dict(plan.BUILTIN_MODELS["deepseek-v3"], attn_only_farskip=True)
-    p = _plan(_decode(256), plan.BUILTIN_CLUSTERS["nv-ib"], shape=plan.shape_from_config(cfg, "attn-only"), dp=2)
+    cfg = dict(shapes.BUILTIN_MODELS["deepseek-v3"], attn_only_farskip=True)
+    p = _plan(_decode(256), collectives.BUILTIN_CLUSTERS["nv-ib"], shape=shapes.shape_from_config(cfg, "attn-only"), dp=2)
     assert len(p.runs["sync"].collectives) == 1 + 3 * 3 + 58 * 3 - 3  # the embedding gather, then as under TP
 
 
 def test_dp_cli_prints_the_dp_view(capsys):
-    assert plan.main(["--tp", "8", "--dp", "8", "--decode", "256"]) == 0
+    assert cli.main(["--tp", "8", "--dp", "8", "--decode", "256"]) == 0
     out = capsys.readouterr().out
     assert "AR(embed)" in out and "embeddings" in out and "stock DP, every MoE layer" in out
     assert "FarSkip moves 1.97x stock's link bytes" in out
@@ -293,21 +295,21 @@ def test_dp_cli_prints_the_dp_view(capsys):
 
 def test_paper_json_and_plot(tmp_path, capsys):
     out = tmp_path / "paper.json"
-    assert plan.main(["--paper", "--json", str(out)]) == 0
+    assert cli.main(["--paper", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "1.34x" in text and "1.25x" in text
     records = json.loads(out.read_text())
     assert {r["cluster"] for r in records} >= {"mi300x-xgmi", "amd-good", "amd-poor"}
     png, js = tmp_path / "p.png", tmp_path / "p.json"
-    assert plan.main(["--prefill", "1024,4096", "--plot", str(png), "--json", str(js)]) == 0
+    assert cli.main(["--prefill", "1024,4096", "--plot", str(png), "--json", str(js)]) == 0
     assert png.stat().st_size > 10_000
     assert json.loads(js.read_text())[1]["windowed"] == [115, 119]
 
 
 def test_sync_f_calibration_hits_the_measured_share():
-    free_ops = plan.LinkModel("link", "test", 2, mbit=200, latency_us=0)
+    free_ops = collectives.LinkModel("link", "test", 2, mbit=200, latency_us=0)
     p = _plan(_prefill(2048), free_ops, tp=16)
-    q = plan.calibrate_to_sync_f(p, 0.4, p_ops := plan.Roofline(DSV3, plan.BUILTIN_GPUS["H200"], "fp8"), free_ops, 0.0, {})
+    q = simulation.calibrate_to_sync_f(p, 0.4, p_ops := hardware.Roofline(DSV3, hardware.BUILTIN_GPUS["H200"], "fp8"), free_ops, 0.0, {})
     sync = q.runs["sync"]
     assert sync.exposed_us / sync.step_us == pytest.approx(0.4)
     assert p_ops.measured is False
@@ -315,7 +317,7 @@ def test_sync_f_calibration_hits_the_measured_share():
 
 def test_testbed_ops_file_feeds_the_planner(tmp_path):
     """bench/plan_testbed.py (torch and the reference model, in a subprocess) times the
-    bench model's ops and writes an --ops file that plan.py reads for that model: every op of
+    bench model's ops and writes an --ops file that the planner reads for that model: every op of
     both phases measured, nothing extrapolated at the sizes it timed."""
     import subprocess
 
@@ -381,7 +383,7 @@ def test_tensor_names_are_the_checkpoints():
             "model.layers.61.mlp.experts.255.down_proj.weight"} <= names
     assert not fp8.is_quantized("model.layers.61.eh_proj.weight")  # bf16 in the release
     assert memory.tensor_bytes("model.layers.61.eh_proj.weight", (7168, 14336), "fp8") == 7168 * 14336 * 2
-    instella = {n for n, _ in memory.main_tensors(plan.load_shape("instella-moe"))}
+    instella = {n for n, _ in memory.main_tensors(shapes.load_shape("instella-moe"))}
     assert "model.layers.0.self_attn.q_proj.weight" in instella  # q_lora_rank null
     assert "model.layers.0.self_attn.q_a_proj.weight" not in instella
     assert "model.layers.0.self_attn.gate_proj.weight" in instella  # the attention gate
@@ -393,7 +395,7 @@ FIT = {("H200", 8, "bf16"): False, ("H100", 16, "bf16"): False, ("MI300X", 8, "b
 
 
 def test_fit_verdicts_for_issue_35s_layouts():
-    _, fits = plan.fit_table(DSV3)
+    _, fits = report.fit_table(DSV3)
     got = {(f.gpu, f.gpus, f.weights.fmt): f.fits for f in fits}
     assert {k: got[k] for k in FIT} == FIT
     mi300x = next(f for f in fits if (f.gpu, f.gpus, f.weights.fmt) == ("MI300X", 8, "bf16"))
@@ -401,7 +403,7 @@ def test_fit_verdicts_for_issue_35s_layouts():
 
 
 def test_kv_cache_tokens():
-    f = memory.fit(DSV3, "fp8", "H200", plan.BUILTIN_GPUS["H200"].hbm_bytes, 8)
+    f = memory.fit(DSV3, "fp8", "H200", hardware.BUILTIN_GPUS["H200"].hbm_bytes, 8)
     assert f.kv_token == 61 * (512 + 64) * 2
     assert f.tokens == int((0.9 * f.hbm - f.weights.nbytes / 8) // f.kv_token)
     assert memory.fit(DSV3, "fp8", "H200", f.hbm, 8, dp=8).tokens == 8 * f.tokens  # each DP rank its own
@@ -412,43 +414,43 @@ def test_kv_cache_tokens():
 
 def test_cli_fit_table_and_report_say_the_verdict(tmp_path, capsys):
     out = tmp_path / "fit.json"
-    assert plan.main(["--fit", "--json", str(out)]) == 0
+    assert cli.main(["--fit", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "8 x H200     bf16" in text and "does not fit" in text and "684.5B parameters" in text
     assert {(r["gpu"], r["gpus"], r["format"]): r["fits"] for r in json.loads(out.read_text())}.items() >= FIT.items()
     js = tmp_path / "plan.json"
-    assert plan.main(["--tp", "8", "--gpu", "H200", "--decode", "1", "--json", str(js)]) == 0
+    assert cli.main(["--tp", "8", "--gpu", "H200", "--decode", "1", "--json", str(js)]) == 0
     assert "memory, bf16 weights (no quantization_config), 8 x H200: does not fit: 1.369 TB" in capsys.readouterr().out
     assert json.loads(js.read_text())[0]["memory"]["fits"] is False
 
 
 def _config(tmp_path, **keys):
     f = tmp_path / "config.json"
-    f.write_text(json.dumps(dict(plan.BUILTIN_MODELS["deepseek-v3"], **keys)))
+    f.write_text(json.dumps(dict(shapes.BUILTIN_MODELS["deepseek-v3"], **keys)))
     return str(f)
 
 
 def test_fp8_quantization_config_makes_fp8_the_default_and_dtype_overrides(tmp_path, capsys):
     cfg = _config(tmp_path, quantization_config=fp8.QUANTIZATION_CONFIG)
-    assert plan.main(["--model", cfg, "--tp", "8", "--gpu", "H200", "--decode", "1"]) == 0
+    assert cli.main(["--model", cfg, "--tp", "8", "--gpu", "H200", "--decode", "1"]) == 0
     text = capsys.readouterr().out
     assert "roofline H200 fp8" in text
     assert "memory, fp8 weights (config.json's quantization_config), 8 x H200: fits" in text
-    assert plan.main(["--model", cfg, "--tp", "8", "--gpu", "H200", "--decode", "1", "--dtype", "bf16"]) == 0
+    assert cli.main(["--model", cfg, "--tp", "8", "--gpu", "H200", "--decode", "1", "--dtype", "bf16"]) == 0
     text = capsys.readouterr().out
     assert "roofline H200 bf16" in text and "memory, bf16 weights (--dtype), 8 x H200: does not fit" in text
 
 
 def test_unknown_quantization_config_is_one_error_line(tmp_path, capsys):
     cfg = _config(tmp_path, quantization_config={"quant_method": "awq", "bits": 4})
-    assert plan.main(["--model", cfg, "--decode", "1"]) == 2
+    assert cli.main(["--model", cfg, "--decode", "1"]) == 2
     line = _one_error_line(capsys)
     assert "quantization_config" in line and "awq" in line and "bf16 copy" in line
-    assert plan.main(["--model", cfg, "--fit"]) == 2
+    assert cli.main(["--model", cfg, "--fit"]) == 2
     _one_error_line(capsys)
 
 
-# ================================================================== prefill/decode disaggregation (plan_pd.py)
+# ================================================================== prefill/decode disaggregation (plan/pd.py)
 KV_TOKEN = 61 * (512 + 64) * 2  # DeepSeek-V3: every layer's MLA latent (kv_lora + rope), bf16
 
 
@@ -476,7 +478,7 @@ def test_kv_copies_follow_sglangs_mla_rank_mapping():
 
 def _pd_json(tmp_path, *flags):
     out = tmp_path / "pd.json"
-    assert plan.main(["--pd", "--json", str(out), *flags]) == 0
+    assert cli.main(["--pd", "--json", str(out), *flags]) == 0
     return json.loads(out.read_text())
 
 
@@ -488,8 +490,8 @@ def _check_pd_ttft_and_itl(tmp_path):
     colo8, colo16, pd = doc["rows"]
     x = doc["transfer"]["us"]
     assert x == pytest.approx(2 * 4096 * KV_TOKEN * 8 / 200e9 * 1e6)  # TP8 -> TP16: two copies per prefill NIC
-    pre = _plan(_prefill(4096), plan.BUILTIN_CLUSTERS["mi300x-xgmi"], tp=8)
-    dec = _plan(_decode(64, 4096), plan.BUILTIN_CLUSTERS["amd-good"], tp=16)
+    pre = _plan(_prefill(4096), collectives.BUILTIN_CLUSTERS["mi300x-xgmi"], tp=8)
+    dec = _plan(_decode(64, 4096), collectives.BUILTIN_CLUSTERS["amd-good"], tp=16)
     for mode in plan_pd.MODES:
         assert pd["ttft_us"][mode] == pytest.approx(pre.runs[mode].step_us + x)
         assert pd["ttft_us"][mode] == pytest.approx(colo8["ttft_us"][mode] + x)
@@ -517,8 +519,8 @@ def test_pd_paper_shaped_default_takes_each_layouts_speedup(tmp_path, capsys):
     for name in ("colocated EP8/TP8 1 node", "colocated EP16/TP16 2 nodes", "PD EP8/TP8 1 node -> EP16/TP16 2 nodes"):
         assert name in text
     colo8, colo16, pd = doc["rows"]
-    pre = _plan(_prefill(2048, batch=32), plan.BUILTIN_CLUSTERS["mi300x-xgmi"], tp=8, gpu="MI300X", dtype="bf16")
-    dec = _plan(_decode(1024, 258), plan.BUILTIN_CLUSTERS["amd-good"], tp=16, gpu="MI300X", dtype="bf16")
+    pre = _plan(_prefill(2048, batch=32), collectives.BUILTIN_CLUSTERS["mi300x-xgmi"], tp=8, gpu="MI300X", dtype="bf16")
+    dec = _plan(_decode(1024, 258), collectives.BUILTIN_CLUSTERS["amd-good"], tp=16, gpu="MI300X", dtype="bf16")
     assert [round(pre.speedup(), 2), round(dec.speedup(), 2)] == [1.41, 1.58]  # --paper's MI300X bf16 rows
     assert colo8["ttft_speedup"] == pytest.approx(pre.speedup())
     assert pd["itl_speedup"] == colo16["itl_speedup"] == pytest.approx(dec.speedup())
@@ -550,7 +552,7 @@ def test_pd_says_whether_each_layout_holds_the_weights(tmp_path, capsys):
     (["--prefill", "1024", "--decode", "8"], "pick one"),
 ])
 def test_pd_bad_input_is_one_error_line(argv, says, capsys):
-    assert plan.main(argv) == 2
+    assert cli.main(argv) == 2
     assert says in _one_error_line(capsys)
 
 
@@ -558,5 +560,5 @@ def test_pd_example_in_the_docs_is_the_output(capsys):
     """docs/planner.md shows `--pd`'s output verbatim: a change to the model must update the page."""
     text = (REPO / "docs" / "planner.md").read_text()
     shown = text.split("`python -m sglang_farskip.plan --pd`:\n\n```\n", 1)[1].split("```", 1)[0]
-    assert plan.main(["--pd"]) == 0
+    assert cli.main(["--pd"]) == 0
     assert capsys.readouterr().out == shown

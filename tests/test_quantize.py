@@ -1,4 +1,4 @@
-"""`python -m sglang_farskip.quantize`: the block-FP8 layout it writes, its round trip, and one
+"""`python -m sglang_farskip.formats.quantize`: the block-FP8 layout it writes, its round trip, and one
 clear error (exit 2, nothing written) per input it cannot represent. Serving its output is
 tests/test_fp8.py (the FP8 demo is this tool's output).
 
@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from sglang_farskip import checkpoint, fp8
+from sglang_farskip import checkpoint
+from sglang_farskip.formats import fp8
 from sglang_farskip.tools.demo_model import build_checkpoint, kind_overrides
 
 TENSOR_RMS_BOUND = 0.03
@@ -32,7 +33,7 @@ def src(tmp_path_factory) -> Path:
 
 
 def quantize(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sglang_farskip.quantize", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "sglang_farskip.formats.quantize", *map(str, args)],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_farskip import plan, schedule
+from sglang_farskip import schedule
 from sglang_farskip.config import FarSkipConfig
+from sglang_farskip.plan import shapes, simulation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +89,7 @@ class _RecordedHandle:
         return self
 
 
-def _schedule_events(shape: plan.Shape) -> list[tuple]:
+def _schedule_events(shape: shapes.Shape) -> list[tuple]:
     fs, rec = shape.farskip, Recorder()
     wiring = [schedule.LayerWiring(fs.attn_skips_prev_routed(k), fs.mlp_skips_attn(k), shape.is_moe(k))
               for k in range(shape.layers)]
@@ -102,10 +103,10 @@ def _schedule_events(shape: plan.Shape) -> list[tuple]:
             if e[0] == "launch" else e for e in rec.events]
 
 
-def _program_events(shape: plan.Shape) -> list[tuple]:
-    costs = plan.Costs(**{f.name: 1.0 for f in dataclasses.fields(plan.Costs)})
+def _program_events(shape: shapes.Shape) -> list[tuple]:
+    costs = simulation.Costs(**{f.name: 1.0 for f in dataclasses.fields(simulation.Costs)})
     out = []
-    for i in plan.farskip_program(shape, costs, blocking=False).ins:
+    for i in simulation.farskip_program(shape, costs, blocking=False).ins:
         out.append({"compute": ("compute", i.name, i.layer), "launch": ("launch", i.name, i.layer, i.cid),
                     "wait": ("wait", i.cid)}[i.kind])
     return out
@@ -113,7 +114,7 @@ def _program_events(shape: plan.Shape) -> list[tuple]:
 
 # Dense layers first and between MoE layers (moe_layer_freq 2), every wiring variant, converted
 # ranges that start and end inside the stack, and the stock wiring (nothing converted).
-CONFIG = dict(plan.BUILTIN_MODELS["deepseek-v3"], num_hidden_layers=7, first_k_dense_replace=1, moe_layer_freq=2)
+CONFIG = dict(shapes.BUILTIN_MODELS["deepseek-v3"], num_hidden_layers=7, first_k_dense_replace=1, moe_layer_freq=2)
 VARIANTS = {
     "all": FarSkipConfig(True),
     "range-2-4": FarSkipConfig(True, 2, 4),
@@ -125,7 +126,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_planner_program_is_the_schedule(variant):
-    shape = dataclasses.replace(plan.shape_from_config(CONFIG, variant), farskip=VARIANTS[variant])
+    shape = dataclasses.replace(shapes.shape_from_config(CONFIG, variant), farskip=VARIANTS[variant])
     assert [shape.is_moe(k) for k in range(7)] == [False, False, True, False, True, False, True]
     got, want = _schedule_events(shape), _program_events(shape)
     assert got == want, next((i, g, w) for i, (g, w) in enumerate(zip(got + [None], want + [None])) if g != w)
@@ -135,7 +136,7 @@ def test_schedule_events_read_like_the_design():
     """One hand-checked layer pair, so that the equality above is not between two wrong things:
     MoE layer 2 of the full wiring waits the attention lane before its attention, the routed
     lane of layer 1 (none: dense) and launches AR(a+s) before the routed experts run."""
-    shape = dataclasses.replace(plan.shape_from_config(CONFIG, "all"), farskip=FarSkipConfig(True))
+    shape = dataclasses.replace(shapes.shape_from_config(CONFIG, "all"), farskip=FarSkipConfig(True))
     ev = _schedule_events(shape)
     layer2 = ev[ev.index(("compute", "norm", 2)) - 1: ev.index(("compute", "norm", 3)) - 1]
     a_s_1 = next(e[3] for e in ev if e[:3] == ("launch", "AR(a+s)", 1))

@@ -8,6 +8,9 @@ lowest last; tests/test_layers.py enforces it.
                      schedule.py      the FarSkip lane loop, written once (SGLang-free)
                      reference.py     the executable spec, plain PyTorch
                      comm.py, nccl.py, profiler.py   every collective, as handles
+                     formats/         weight formats: DeepSeek's block FP8, the requantizer
+                     boundary/        every place the project touches SGLang, one table; its
+                                      installer and the upgrade check (python -m sglang_farskip.boundary check)
                      parallel.py      FarSkip's parallel set-up inside SGLang, and what it refuses
                      models/          the SGLang model classes: upstream's layers, the schedule;
                                       each rank's status report
@@ -15,7 +18,8 @@ lowest last; tests/test_layers.py enforces it.
                                       watchdog
     SGLang on CPU    cpu/             environment and fixes, attention paths
     tools            tools/           demo checkpoints, convert, patches
-                     plan.py, plan_pd.py   the planner (python -m sglang_farskip.plan), its PD view
+                     plan/            the planner (python -m sglang_farskip.plan): shapes, collectives,
+                                      replay, memory, its PD view
                      fcsd/            the self-distillation (python -m sglang_farskip.fcsd)
     running things   checks/          the bare GPU check (torch only) and the device check
                      testbed/         ports, servers, network namespaces (tests/ and bench/)

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from . import fp8
 from .checkpoint import per_expert, shard_files
 from .config import FarSkipConfig, is_moe_layer
+from .formats import fp8
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -361,7 +361,7 @@ def load_reference(
 ) -> ReferenceModel:
     """Load a DeepSeek-V3 checkpoint directory, bf16 or block FP8 (dequantized). FarSkip wiring
     comes from config.json's farskip keys unless `farskip` overrides it. `cpu_kv_b_tp` > 0: an FP8
-    kv_b_proj requantized per TP shard as SGLang's CPU loader does at that TP size (fp8.py), for
+    kv_b_proj requantized per TP shard as SGLang's CPU loader does at that TP size (formats/fp8.py), for
     comparing with a CPU server."""
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)

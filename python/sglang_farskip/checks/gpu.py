@@ -36,7 +36,7 @@ stack        A FarSkip DeepSeek-V3 stack from reference.py's modules (MLA, RMSNo
                  sleep made long): each must FAIL the same comparison, or the check has no
                  power and the item fails. `--break-lane` puts the break into the main runs instead
                  (then the item must FAIL: a test of the check itself).
-ops          Per-op GPU times for python/sglang_farskip/plan.py (schema below): attention prefill and absorbed
+ops          Per-op GPU times for the planner's --ops (schema below): attention prefill and absorbed
              MLA decode at several batch/context sizes, shared experts, routed experts with
              balanced routing (EP 8 and 16 shards), the dense MLP, RMSNorm + residual add.
              Plain PyTorch kernels (cuBLAS GEMMs, torch SDPA, einsum decode attention), not
@@ -763,7 +763,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--items", default=",".join(ITEMS),
                    help=f"comma-separated subset of {','.join(ITEMS)} (GPU)")
     p.add_argument("--json", metavar="OUT", help="write every figure here")
-    p.add_argument("--ops-json", metavar="OUT", help="write the per-op times alone, in python/sglang_farskip/plan.py's schema")
+    p.add_argument("--ops-json", metavar="OUT", help="write the per-op times alone, in the planner's --ops schema")
     p.add_argument("--cpu", action="store_true", help="run the CPU-runnable parts (the stack at tiny widths)")
     p.add_argument("--world", type=int, default=1, choices=(1, 2),
                    help="--cpu: 1 (identity backend) or 2 (a 2-rank gloo world, comm thread)")

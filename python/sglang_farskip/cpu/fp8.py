@@ -5,14 +5,14 @@ SGLang 0.5.23 serves block FP8 on CPU only through its AMX kernels (`Fp8LinearMe
 need a CPU build of sgl-kernel that PyPI does not ship. Here the two methods are subclassed: the
 FP8 weights and their 128 x 128 `weight_scale_inv` blocks are loaded by upstream's own code and
 kept in memory as FP8 (so the footprint is the checkpoint's), and each forward dequantizes the
-weights it needs (sglang_farskip.fp8.dequantize) and runs a plain matmul in the activation dtype:
+weights it needs (sglang_farskip.formats.fp8.dequantize) and runs a plain matmul in the activation dtype:
 
     linear:  y = x @ dequant(W, S)^T  (+ bias)            x [T, K] bf16, W [N, K] e4m3, S [N/128, K/128]
     MoE:     upstream's torch-native expert loop (moe_forward_native, with cpu/environment.py's
              EP>1 fix) over experts dequantized one at a time, only those that got tokens
 
 So a layer computes what the same checkpoint dequantized to bf16 computes, except kv_b_proj in
-absorbed MLA, which SGLang's loader itself requantizes per tensor on CPU (fp8.py says more).
+absorbed MLA, which SGLang's loader itself requantizes per tensor on CPU (formats/fp8.py says more).
 Activations are not quantized (GPU kernels quantize them per 128 channels): the CPU path is
 for checking FarSkip's wiring and serving small models, not for matching GPU FP8 bit for bit.
 
@@ -29,7 +29,7 @@ from torch.nn import Parameter
 
 from sglang.srt.layers.quantization import fp8 as upstream
 
-from sglang_farskip import fp8
+from sglang_farskip.formats import fp8
 
 
 def _freeze(layer: torch.nn.Module, *names: str) -> None:

@@ -58,7 +58,8 @@ def model_report(model, farskip, num_layers: int, requested, mode, comm_backend:
     """What one rank's model really built: the class, the wiring, the mode that runs."""
     from sglang.srt.runtime_context import get_disagg, get_parallel
 
-    from sglang_farskip import SGLANG_VERSION, fp8
+    from sglang_farskip import SGLANG_VERSION
+    from sglang_farskip.formats import fp8
 
     active = mode.value != "off"
     # Which linear method SGLang built (torch-native FP8 on a CPU without AMX, cpu/fp8.py).

@@ -24,9 +24,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from sglang_farskip import checkpoint, fp8
+from sglang_farskip import checkpoint
 from sglang_farskip.config import FarSkipConfig, FarSkipMode
 from sglang_farskip.errors import ArgumentParser, UserError, fail
+from sglang_farskip.formats import fp8
 from sglang_farskip.options import Flag, RuntimeOptions, option_flags, publish
 
 logger = logging.getLogger("sglang_farskip.launch")
@@ -545,7 +546,7 @@ def _launch_info(server_args, given: GivenArgs, own: argparse.Namespace, model_p
 
 
 def check_weight_format(config: dict, model_path: str, given: "GivenArgs", on_cpu: bool) -> str:
-    """"bf16" or "fp8" (DeepSeek's block FP8, sglang_farskip.fp8); refuses what would load wrongly
+    """"bf16" or "fp8" (DeepSeek's block FP8, sglang_farskip.formats.fp8); refuses what would load wrongly
     or fail deep inside SGLang."""
     fmt = fp8.weight_format(config)
     dtype = given.get("--dtype") or "auto"
@@ -562,7 +563,7 @@ def check_weight_format(config: dict, model_path: str, given: "GivenArgs", on_cp
     if on_cpu and quantization and not (quantization == "fp8" and fmt == "fp8"):
         raise UserError(f"--quantization {quantization} on CPU: SGLang quantizes on CPU only with AMX "
                         "kernels this install does not have; requantize the checkpoint with "
-                        "`python -m sglang_farskip.quantize` and serve that without --quantization")
+                        "`python -m sglang_farskip.formats.quantize` and serve that without --quantization")
     return fmt
 
 

@@ -157,8 +157,8 @@ V3_BENCH = dict(
     num_key_value_heads=8,
     num_nextn_predict_layers=0,
 )
-# The demo in DeepSeek's block-FP8 layout (sglang_farskip.fp8), built as bf16 and requantized by
-# sglang_farskip.quantize. Widths change so that every block-quantized weight SGLang splits keeps
+# The demo in DeepSeek's block-FP8 layout (sglang_farskip.formats.fp8), built as bf16 and requantized by
+# sglang_farskip.formats.quantize. Widths change so that every block-quantized weight SGLang splits keeps
 # whole 128-wide blocks per rank up to TP=2 (upstream's validate_block_quant_shapes): q_lora_rank
 # 128 (q_a_proj and kv_a_proj_with_mqa are fused along a block edge), 8 heads of 32+32 (q_b_proj
 # 512 rows), value heads 32 (o_proj 256 columns), expert and dense widths 256 and 512.
@@ -609,7 +609,7 @@ def ensure_demo_checkpoint(cache_dir: Path | str | None = None, seed: int = 0, k
             shutil.rmtree(dst)
         if kind not in FP8_KINDS:
             return build_checkpoint(dst, seed=seed, overrides=kind_overrides(kind))
-        from sglang_farskip.quantize import quantize_checkpoint
+        from sglang_farskip.formats.quantize import quantize_checkpoint
 
         bf16 = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-bf16-", dir=root))
         try:

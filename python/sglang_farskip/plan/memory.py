@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-from sglang_farskip import fp8
-
-if TYPE_CHECKING:
-    from sglang_farskip.plan import Shape
+from sglang_farskip.formats import fp8
+from sglang_farskip.plan.shapes import Shape
 
 FORMATS = ("bf16", "fp8")
 BF16 = 2  # bytes per element of every tensor fp8.is_quantized leaves alone, and of the KV cache
@@ -48,13 +46,13 @@ Tensor = tuple[str, tuple[int, ...]]
 
 
 # ================================================================== the checkpoint's tensors
-def _mlp(prefix: str, s: "Shape", width: int) -> Iterator[Tensor]:
+def _mlp(prefix: str, s: Shape, width: int) -> Iterator[Tensor]:
     yield f"{prefix}gate_proj.weight", (width, s.hidden)
     yield f"{prefix}up_proj.weight", (width, s.hidden)
     yield f"{prefix}down_proj.weight", (s.hidden, width)
 
 
-def _attention(p: str, s: "Shape") -> Iterator[Tensor]:
+def _attention(p: str, s: Shape) -> Iterator[Tensor]:
     qk = s.heads * (s.nope + s.rope)
     if s.q_lora:
         yield f"{p}q_a_proj.weight", (s.q_lora, s.hidden)
@@ -70,7 +68,7 @@ def _attention(p: str, s: "Shape") -> Iterator[Tensor]:
         yield f"{p}gate_proj.weight", (s.heads * s.v_head, s.hidden)
 
 
-def _decoder_layer(s: "Shape", k: int) -> Iterator[Tensor]:
+def _decoder_layer(s: Shape, k: int) -> Iterator[Tensor]:
     p = f"model.layers.{k}."
     yield f"{p}input_layernorm.weight", (s.hidden,)
     yield f"{p}post_attention_layernorm.weight", (s.hidden,)
@@ -86,7 +84,7 @@ def _decoder_layer(s: "Shape", k: int) -> Iterator[Tensor]:
         yield from _mlp(f"{p}mlp.shared_experts.", s, s.moe_inter * s.shared)
 
 
-def main_tensors(s: "Shape") -> Iterator[Tensor]:
+def main_tensors(s: Shape) -> Iterator[Tensor]:
     yield "model.embed_tokens.weight", (s.vocab, s.hidden)
     for k in range(s.layers):
         yield from _decoder_layer(s, k)
@@ -95,7 +93,7 @@ def main_tensors(s: "Shape") -> Iterator[Tensor]:
         yield "lm_head.weight", (s.vocab, s.hidden)
 
 
-def mtp_tensors(s: "Shape") -> Iterator[Tensor]:
+def mtp_tensors(s: Shape) -> Iterator[Tensor]:
     """The MTP layers as DeepSeek ships them, numbered after the main ones: a full decoder
     layer plus its own embedding copy, enorm/hnorm, eh_proj [H, 2H] and shared_head."""
     for k in range(s.layers, s.layers + s.mtp_layers):
@@ -131,7 +129,7 @@ class Weights:
         return f"{(self.params + self.mtp_params) / 1e9:.1f}B parameters ({self.params / 1e9:.1f}B{mtp})"
 
 
-def weights(s: "Shape", fmt: str) -> Weights:
+def weights(s: Shape, fmt: str) -> Weights:
     def count(tensors):
         params = nbytes = 0
         for name, dims in tensors:
@@ -143,7 +141,7 @@ def weights(s: "Shape", fmt: str) -> Weights:
     return Weights(fmt, params, mtp_params, main_bytes + mtp_bytes, mtp_bytes)
 
 
-def kv_bytes_per_token(s: "Shape") -> int:
+def kv_bytes_per_token(s: Shape) -> int:
     return s.layers * (s.kv_lora + s.rope) * BF16
 
 
@@ -210,5 +208,5 @@ def size(nbytes: float) -> str:
     return f"{nbytes / 1e12:.3f} TB" if nbytes >= 1e12 else f"{nbytes / 1e9:.1f} GB"
 
 
-def fit(s: "Shape", fmt: str, gpu: str, hbm: int, gpus: int, dp: int = 1) -> Fit:
+def fit(s: Shape, fmt: str, gpu: str, hbm: int, gpus: int, dp: int = 1) -> Fit:
     return Fit(weights(s, fmt), gpu, gpus, hbm, kv_bytes_per_token(s), dp)

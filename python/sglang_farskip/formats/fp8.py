@@ -15,7 +15,7 @@ and its correction bias, and the MTP layer's eh_proj, enorm/hnorm and shared_hea
 (`is_quantized`). Activations are quantized on the fly ("dynamic") by the GPU kernels.
 
 Used by the requantizer (quantize.py), the reference (dequantizing, reference.py), the demo's FP8
-kind, the CPU serving path (cpu/fp8.py) and the planner's memory figures (plan.py).
+kind, the CPU serving path (cpu/fp8.py) and the planner's memory figures (plan/memory.py).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def weight_format(cfg: Any) -> str:
     raise UserError(
         f"quantization_config {quant!r} is not DeepSeek's block FP8 (quant_method fp8, e4m3, "
         f"weight_block_size [{BLOCK}, {BLOCK}]), the one quantized format sglang_farskip serves and "
-        "checks: serve a bf16 copy, or requantize one with `python -m sglang_farskip.quantize`"
+        "checks: serve a bf16 copy, or requantize one with `python -m sglang_farskip.formats.quantize`"
     )
 
 

@@ -1,9 +1,9 @@
 """Requantize a bf16 DeepSeek-V3 checkpoint (FCSD's output, or any bf16 copy) into DeepSeek's
 own block-FP8 layout, the format DeepSeek-V3 ships in and SGLang's DeepSeek guides serve.
 
-    python -m sglang_farskip.quantize SRC DST [--max-shard-size 5GB] [--force]
+    python -m sglang_farskip.formats.quantize SRC DST [--max-shard-size 5GB] [--force]
 
-What DST gets (sglang_farskip.fp8 holds the format's rules):
+What DST gets (sglang_farskip.formats.fp8 holds the format's rules):
 - every tensor `fp8.is_quantized` names (the linear layers of each decoder layer, the MTP
   layer's included) as float8 e4m3 with a float32 `weight_scale_inv` per 128 x 128 block;
 - the rest as the release stores them: bf16 (embeddings, lm_head, norms, the router gate, the
@@ -29,8 +29,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sglang_farskip import checkpoint, fp8
+from sglang_farskip import checkpoint
 from sglang_farskip.errors import ArgumentParser, UserError, run_main
+from sglang_farskip.formats import fp8
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMG]?)B?$", re.IGNORECASE)
 
@@ -147,7 +148,7 @@ def quantize_checkpoint(src: Path, dst: Path, max_shard_bytes: int = 5 * 10**9) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m sglang_farskip.quantize",
+    parser = ArgumentParser(prog="python -m sglang_farskip.formats.quantize",
                             description="Requantize a bf16 DeepSeek-V3 checkpoint into DeepSeek's block-FP8 layout.")
     parser.add_argument("src", type=Path, help="bf16 checkpoint directory (e.g. FCSD's output)")
     parser.add_argument("dst", type=Path, help="new checkpoint directory")

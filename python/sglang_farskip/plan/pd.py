@@ -6,7 +6,7 @@ prefills on one layout and decodes on another, next to a colocated server on eac
     python -m sglang_farskip.plan --pd --gpu H200 --dtype fp8 --prefill 4096 --batch 1 \\
         --decode 64 --context 4096 --prefill-cluster h200_1node.txt --decode-cluster nv-ib
 
-Per mode (stock, FarSkip overlap), with step times from plan.make_plan, the replay every
+Per mode (stock, FarSkip overlap), with step times from simulation.make_plan, the replay every
 other plan uses:
 
     colocated on layout X     TTFT = prefill step on X              ITL = decode step on X
@@ -51,12 +51,18 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
-from sglang_farskip import memory, plan
 from sglang_farskip.errors import UserError
+from sglang_farskip.plan import memory
+from sglang_farskip.plan.flags import (GPUS_PER_NODE, cluster_for, default_cluster, default_nodes, dtype_source,
+                                      make_ops, sizes)
+from sglang_farskip.plan.hardware import BUILTIN_GPUS
+from sglang_farskip.plan.report import PAPER, plan_json
+from sglang_farskip.plan.shapes import Shape, load_shape
+from sglang_farskip.plan.simulation import Layout, Phase, Prediction, check_layout, make_plan
 
 MODES = ("stock", "overlap")  # the paper's baseline and the FarSkip schedule the server runs
 KV_LINK_GBPS = 400.0  # per GPU: one 400 Gb/s RDMA NIC per GPU, as on the paper's nodes (8 x 400 Gb/s)
-_PREFILL_CASE, _DECODE_CASE = plan.PAPER  # the paper's two runs: its layouts are --pd's defaults
+_PREFILL_CASE, _DECODE_CASE = PAPER  # the paper's two runs: its layouts are --pd's defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +75,8 @@ class Server:
     cluster: str
 
     @property
-    def layout(self) -> plan.Layout:
-        return plan.Layout(self.tp, 1, self.nodes)
+    def layout(self) -> Layout:
+        return Layout(self.tp, 1, self.nodes)
 
     def label(self) -> str:
         return f"EP{self.tp}/TP{self.tp} {self.nodes} node{'s' if self.nodes > 1 else ''}"
@@ -117,8 +123,8 @@ class Transfer:
 @dataclasses.dataclass
 class Row:
     name: str
-    prefill: plan.Prediction  # the forward behind TTFT
-    decode: plan.Prediction  # the step behind ITL
+    prefill: Prediction  # the forward behind TTFT
+    decode: Prediction  # the step behind ITL
     transfer: Optional[Transfer] = None  # PD only
 
     def ttft_us(self, mode: str) -> float:
@@ -134,10 +140,10 @@ class Row:
         return self.itl_us("stock") / self.itl_us("overlap")
 
 
-Step = Callable[[Server, plan.Phase], plan.Prediction]
+Step = Callable[[Server, Phase], Prediction]
 
 
-def predict(pre: Server, dec: Server, prefill: plan.Phase, decode: plan.Phase, transfer: Transfer,
+def predict(pre: Server, dec: Server, prefill: Phase, decode: Phase, transfer: Transfer,
             step: Step) -> list[Row]:
     """Colocated on the prefill layout, colocated on the decode layout, and PD across them;
     each (server, phase) is planned once and shared by the rows that read it."""
@@ -155,18 +161,18 @@ def predict(pre: Server, dec: Server, prefill: plan.Phase, decode: plan.Phase, t
 
 
 # ================================================================== memory per side
-def kv_need_line(fit: memory.Fit, prefill: plan.Phase, decode: plan.Phase) -> str:
+def kv_need_line(fit: memory.Fit, prefill: Phase, decode: Phase) -> str:
     """Whether the layout's KV room holds each phase's tokens: a colocated server needs both."""
     need = {"the prefill batch": prefill.tokens, "the decode batch": decode.batch * decode.context}
     held = [f"{what} needs {n:,} ({'held' if n <= fit.tokens else 'NOT held'})" for what, n in need.items()]
     return f"    KV room {fit.tokens:,} tokens: " + "; ".join(held)
 
 
-def memory_lines(shape: plan.Shape, dtype: str, sides: list[tuple[str, Server]], prefill: plan.Phase,
-                 decode: plan.Phase) -> tuple[list[str], list[dict]]:
+def memory_lines(shape: Shape, dtype: str, sides: list[tuple[str, Server]], prefill: Phase,
+                 decode: Phase) -> tuple[list[str], list[dict]]:
     lines, records = [], []
     for role, server in sides:
-        gpu = plan.BUILTIN_GPUS[server.gpu]
+        gpu = BUILTIN_GPUS[server.gpu]
         fit = memory.fit(shape, dtype, gpu.name, gpu.hbm_bytes, server.tp)
         lines += [f"  {role} ({server.label()}): {fit.verdict()}", kv_need_line(fit, prefill, decode)]
         records.append(dict(fit.as_json(), role=role, layout=server.label()))
@@ -178,7 +184,7 @@ def _ms(us: float) -> str:
     return f"{us / 1000:.1f}"
 
 
-def format_table(shape: plan.Shape, rows: list[Row], transfer: Transfer) -> list[str]:
+def format_table(shape: Shape, rows: list[Row], transfer: Transfer) -> list[str]:
     p, d = rows[-1].prefill, rows[-1].decode
     W = max(len(r.name) for r in rows)
     out = [f"{shape.name}: prefill/decode disaggregation against a colocated server on each layout",
@@ -225,9 +231,9 @@ def add_arguments(p) -> None:
     g.add_argument("--pd", action="store_true", help="a PD deployment next to a colocated server on each layout")
     for side, case in (("prefill", _PREFILL_CASE), ("decode", _DECODE_CASE)):
         g.add_argument(f"--{side}-tp", type=int, help=f"--pd: the {side} server's TP = EP (default {case['tp']})")
-        g.add_argument(f"--{side}-nodes", type=int, help=f"--pd: its nodes (default tp/{plan.GPUS_PER_NODE})")
+        g.add_argument(f"--{side}-nodes", type=int, help=f"--pd: its nodes (default tp/{GPUS_PER_NODE})")
         g.add_argument(f"--{side}-cluster", help="--pd: its all-reduce table or file (default as --cluster's)")
-        g.add_argument(f"--{side}-gpu", choices=sorted(plan.BUILTIN_GPUS), help="--pd: its GPU (default --gpu)")
+        g.add_argument(f"--{side}-gpu", choices=sorted(BUILTIN_GPUS), help="--pd: its GPU (default --gpu)")
     g.add_argument("--kv-link-gbps", type=float, help=f"--pd: each GPU's RDMA link for the KV transfer, Gbit/s "
                    f"(default {KV_LINK_GBPS:g})")
 
@@ -244,7 +250,7 @@ def _flag(dest: str) -> str:
 
 
 def check_flags(args) -> None:
-    """Without --pd, no PD flag; with it, none that it would ignore (plan.run calls this first)."""
+    """Without --pd, no PD flag; with it, none that it would ignore (cli.run calls this first)."""
     if not args.pd:
         given = [_flag(d) for d in _PD_ONLY if getattr(args, d) is not None]
         if given:
@@ -261,13 +267,13 @@ def check_flags(args) -> None:
 def _one(text: Optional[str], flag: str, default: int) -> int:
     if text is None:
         return default
-    values = plan._sizes(text, flag)
+    values = sizes(text, flag)
     if len(values) != 1:
         raise UserError(f"--pd {flag} {text!r}: one value (a PD prediction is one prompt and one decode batch)")
     return values[0]
 
 
-def phases(args) -> tuple[plan.Phase, plan.Phase]:
+def phases(args) -> tuple[Phase, Phase]:
     """The prompt, batch, decode batch and context given, the rest from the paper's two runs."""
     pre, dec = _PREFILL_CASE["phase"], _DECODE_CASE["phase"]
     prompt = _one(args.prefill, "--prefill", pre.context)
@@ -276,7 +282,7 @@ def phases(args) -> tuple[plan.Phase, plan.Phase]:
     context = dec.context if args.context is None else args.context
     if batch < 1 or context < 1:
         raise UserError(f"--batch {batch}, --context {context}: must be positive")
-    return plan.Phase("prefill", batch * prompt, prompt, batch), plan.Phase("decode", decode, context, decode)
+    return Phase("prefill", batch * prompt, prompt, batch), Phase("decode", decode, context, decode)
 
 
 def servers(args) -> tuple[Server, Server]:
@@ -287,18 +293,18 @@ def servers(args) -> tuple[Server, Server]:
         if tp < 1 or (nodes is not None and nodes < 1):
             raise UserError(f"--{side}-tp {tp}" + (f", --{side}-nodes {nodes}" if nodes is not None else "")
                             + ": must be positive")
-        nodes = plan.default_nodes(tp) if nodes is None else nodes
-        cluster = getattr(args, f"{side}_cluster") or plan.default_cluster(nodes)
+        nodes = default_nodes(tp) if nodes is None else nodes
+        cluster = getattr(args, f"{side}_cluster") or default_cluster(nodes)
         out.append(Server(tp, nodes, getattr(args, f"{side}_gpu") or args.gpu, cluster))
     return out[0], out[1]
 
 
 def run(args) -> int:
-    shape = plan.load_shape(args.model)
+    shape = load_shape(args.model)
     dtype = args.dtype or shape.weight_format
     pre, dec = servers(args)
     for s in (pre, dec):
-        plan.check_layout(shape, s.layout)
+        check_layout(shape, s.layout)
     if args.ops and pre.gpu != dec.gpu:
         raise UserError(f"--ops with --prefill-gpu {pre.gpu} and --decode-gpu {dec.gpu}: one per-op file "
                         "times one GPU")
@@ -308,19 +314,19 @@ def run(args) -> int:
     prefill, decode = phases(args)
     transfer = Transfer(memory.kv_bytes_per_token(shape), prefill.context, prefill.batch,
                         kv_copies(pre.tp, dec.tp), gbps)
-    ops = {g: plan.make_ops(args.ops, shape, plan.BUILTIN_GPUS[g], dtype) for g in {pre.gpu, dec.gpu}}
+    ops = {g: make_ops(args.ops, shape, BUILTIN_GPUS[g], dtype) for g in {pre.gpu, dec.gpu}}
 
-    def step(server: Server, phase: plan.Phase) -> plan.Prediction:
-        comm = plan.cluster_for(server.cluster, args.ar_column, server.layout)
-        return plan.make_plan(shape, server.layout, phase, ops[server.gpu], comm, args.contention,
+    def step(server: Server, phase: Phase) -> Prediction:
+        comm = cluster_for(server.cluster, args.ar_column, server.layout)
+        return make_plan(shape, server.layout, phase, ops[server.gpu], comm, args.contention,
                               overhead_us=args.overhead_us)
 
     rows = predict(pre, dec, prefill, decode, transfer, step)
     mem, mem_json = memory_lines(shape, dtype, [("prefill server", pre), ("decode server", dec)], prefill, decode)
-    head = f"memory, {dtype} weights ({plan.dtype_source(args.dtype, shape)}), per layout (the colocated rows use the same):"
+    head = f"memory, {dtype} weights ({dtype_source(args.dtype, shape)}), per layout (the colocated rows use the same):"
     print("\n".join(format_table(shape, rows, transfer) + [head] + mem))
     if args.json:
         doc = dict(rows_json(rows, transfer), memory=mem_json,
-                   plans=[plan.plan_json(p) for p in {id(p): p for r in rows for p in (r.prefill, r.decode)}.values()])
+                   plans=[plan_json(p) for p in {id(p): p for r in rows for p in (r.prefill, r.decode)}.values()])
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
