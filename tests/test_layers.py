@@ -69,3 +69,23 @@ def test_an_upward_import_or_a_circle_is_named(tmp_path):
     assert proc.returncode == 1, said
     for name, (_, named) in plants.items():
         assert named in said, f"the import planted in {name} is not named:\n{said}"
+
+
+def test_the_design_page_lists_the_contracts_layers():
+    """docs/design.md, "Layers", lowest first, names the modules of each layer of the contract
+    (which is the one place the order is written: the page must follow it)."""
+    import re
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: import-linter brings tomli there
+        import tomli as tomllib
+
+    contract = next(c for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+                    ["contracts"] if c["type"] == "layers")
+    want = [set(re.split(r"\s*[:|]\s*", layer)) for layer in reversed(contract["layers"])]
+    page = (ROOT / "docs" / "design.md").read_text().split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    ours = {p.stem if p.suffix == ".py" else p.name for p in PACKAGE.iterdir() if not p.name.startswith("__")}
+    items = re.findall(r"^\d+\. (.*?)(?=^\d+\. |\Z)", page, flags=re.M | re.S)
+    listed = [{n.rstrip("/") for n in re.findall(r"`([a-z_]+/?)`", item)} & ours for item in items]
+    assert listed == want, f"docs/design.md 'Layers' (lowest first) names {listed}; pyproject.toml's contract {want}"
