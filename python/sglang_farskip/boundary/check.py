@@ -34,13 +34,12 @@ def problems(rows=ROWS) -> list[str]:
 def _problem(row: Row) -> str | None:
     if row.kind == "env":
         return None if _reads_env(row.target) else "SGLang no longer reads this variable"
+    # A swapped class is checked by its constructor's parameters; anything else as an attribute.
+    path, attribute = (row.target, "__init__") if row.kind == "class-swap" else row.target.rsplit(".", 1)
     try:
-        holder = pkgutil.resolve_name(row.target.rpartition(".")[0])
+        holder = pkgutil.resolve_name(path)
     except (ImportError, AttributeError) as e:
         return f"not found ({type(e).__name__}: {e})"
-    attribute = row.target.rpartition(".")[2]
-    if row.kind == "class-swap":
-        holder, attribute = pkgutil.resolve_name(row.target), "__init__"
     value = raw(holder, attribute)
     if value is _ABSENT:
         if row.kind == "private" and _assigned_in_source(holder, attribute):
