@@ -23,9 +23,9 @@ def _rank(rank: int, port: int, results, done) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.utils import broadcast_pyobj
 
-    from sglang_farskip.serve import timeouts as peers
+    from sglang_farskip import boundary
 
-    peers.install()  # what plugin.register() does in every process SGLang starts
+    boundary.install("every")  # what plugin.register() does in every process SGLang starts
     HookRegistry.apply_hooks()
     ps.init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
                                     distributed_init_method=f"tcp://127.0.0.1:{port}",

@@ -22,7 +22,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 from sglang_farskip import checkpoint
 from sglang_farskip.config import FarSkipConfig, FarSkipMode
