@@ -470,7 +470,7 @@ key_to_file() { # key_to_file NAME: exports FARSKIP_NAME_FILE, the file the laun
   elif [[ "$dry_run" == 1 ]]; then
     path="<a file of its own>"
   else
-    keydir="${keydir:-$(mktemp -d "${TMPDIR:-/tmp}/farskip-keys.XXXXXX")}" # mode 700
+    keydir="${keydir:-$(mktemp -d -t farskip-keys.XXXXXX)}" # mode 700, in the temporary directory
     path="$keydir/$name"
     (umask 077 && printf '%s' "${!value}" >"$path")
   fi
