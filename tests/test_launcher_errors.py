@@ -65,6 +65,7 @@ BAD_KEYS = {  # (argv, environment, fragments of the error)
     "short_admin_key": (["--admin-api-key", "adm-short"], {}, ["--admin-api-key", "at least 16"]),
     "same_keys": (["--api-key", GOOD_KEY], {"FARSKIP_ADMIN_API_KEY": GOOD_KEY},
                   ["are the same key", "own key"]),
+    "non_ascii_key": ([], {"FARSKIP_API_KEY": "sk-farskip-cl\u00e9-0123456789"}, ["other than printable ASCII"]),
     "key_and_key_file": ([], {"FARSKIP_API_KEY": GOOD_KEY, "FARSKIP_API_KEY_FILE": "/etc/hostname"},
                          ["FARSKIP_API_KEY and FARSKIP_API_KEY_FILE are both set", "keep one"]),
     "key_file_missing": ([], {"FARSKIP_ADMIN_API_KEY_FILE": "/nonexistent/key"},
@@ -138,7 +139,7 @@ def refused(tmp_path_factory) -> dict[str, str | None]:
            for name, (changes, flags, _) in BAD_WEIGHTS.items()},
     }
     proc = subprocess.run([sys.executable, "-c", _TRY_EACH], input=json.dumps(cases),
-                          capture_output=True, text=True, timeout=4 * TIME_BOUND_S)  # 38 cases
+                          capture_output=True, text=True, timeout=4 * TIME_BOUND_S)  # 39 cases
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[0].removeprefix("RESULTS "))

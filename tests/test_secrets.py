@@ -206,6 +206,15 @@ def test_the_keys_still_guard_the_api(keyed):
             assert status == 200, (name, path, status, body[:300])
 
 
+@pytest.mark.parametrize("name", ["flag", "env"])
+@pytest.mark.parametrize("path", ["/v1/models", "/flush_cache"])
+def test_a_key_that_is_not_ascii_is_no_key(servers, name, path):
+    """SGLang's check compares str with secrets.compare_digest, which raises on non-ASCII text:
+    such a header from any client was a 500 (and a traceback in the log)."""
+    assert fetch(servers[name].url + path, "cl\u00e9-\u00fc") == fetch(servers[name].url + path, None)
+    assert fetch(servers[name].url + path, None)[0] in (401, 403)
+
+
 @pytest.mark.parametrize("name", ["flag", "env", "node0"])
 def test_no_key_in_server_info_answers(keyed, name):
     for path, (_, body) in keyed[name]["answers"].items():

@@ -59,11 +59,17 @@ def always_check_keys(found, app, *args, **kwargs):
 
 
 def inference_key_forbidden(original, **kwargs):
-    """AROUND sglang.srt.utils.auth.decide_request_auth (called by SGLang's key middleware)."""
+    """AROUND sglang.srt.utils.auth.decide_request_auth (called by SGLang's key middleware): the
+    inference key on an admin route is told 403, and a header that is not ASCII counts as none."""
     from sglang.srt.utils.auth import AuthDecision, AuthLevel
 
-    decision = original(**kwargs)
     api_key, header = kwargs.get("api_key"), kwargs.get("authorization_header") or ""
+    if not header.isascii():
+        # SGLang compares with secrets.compare_digest on str, which raises TypeError on
+        # non-ASCII text: any client without a key got a 500 and a traceback. No key the
+        # launcher accepts is non-ASCII, so such a header is no key at all.
+        return original(**{**kwargs, "authorization_header": None})
+    decision = original(**kwargs)
     if (not decision.allowed and kwargs.get("auth_level") == AuthLevel.ADMIN_FORCE and api_key
             and _same_key(header.split(" ", 1)[-1], api_key)):
         return AuthDecision(allowed=False, error_status_code=403)

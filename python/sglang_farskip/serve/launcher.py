@@ -287,6 +287,9 @@ def _keys(given: GivenArgs) -> list[str]:
         if not key or not key.strip():
             raise UserError(f"{where} is empty, so SGLang would check no key: give a key of at least "
                             f"{MIN_KEY_CHARS} characters, or leave the flag out")
+        if not (key.isascii() and key.isprintable()):
+            raise UserError(f"{where} holds characters other than printable ASCII, which SGLang's key "
+                            "check cannot compare: use e.g. `openssl rand -hex 32`")
         if len(key) < MIN_KEY_CHARS:
             raise UserError(f"{where} is {len(key)} characters long: use at least {MIN_KEY_CHARS} "
                             "random characters (e.g. `openssl rand -hex 32`)")
