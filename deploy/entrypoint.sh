@@ -454,13 +454,31 @@ fi
 if [[ "$PD_ROLE" == prefill ]]; then
   cmd+=(--disaggregation-bootstrap-port "$BOOTSTRAP_PORT")
 fi
-# The launcher reads the keys from FARSKIP_API_KEY and FARSKIP_ADMIN_API_KEY, gives them to
-# SGLang as --api-key/--admin-api-key in its own memory, so they never appear on a command line
-# (ps shows those to every user of the node), and removes them from the environment of every
-# process the server starts.
-unset FARSKIP_API_KEY FARSKIP_ADMIN_API_KEY
-if [[ -n "$key_API_KEY" ]]; then export FARSKIP_API_KEY="$key_API_KEY"; fi
-if [[ -n "$key_ADMIN_API_KEY" ]]; then export FARSKIP_ADMIN_API_KEY="$key_ADMIN_API_KEY"; fi
+# The keys go to the launcher as files it reads itself (FARSKIP_API_KEY_FILE,
+# FARSKIP_ADMIN_API_KEY_FILE), which gives them to SGLang as --api-key/--admin-api-key in its own
+# memory: never on a command line (ps shows those to every user of the node), and never in an
+# environment (/proc/PID/environ), neither the watchdog's, which lives as long as the
+# deployment and starts the launcher again, nor any server process's. A key given as a file
+# (API_KEY_FILE) is passed by its path; a key given as a value (API_KEY) is written to a file
+# only this user can read, in a directory of its own, for the container's lifetime. (API_KEY
+# itself stays in the environment this script was started with, and so in docker-init's,
+# PID 1's: use API_KEY_FILE, docs/deploy.md "Keys".)
+key_to_file() { # key_to_file NAME: exports FARSKIP_NAME_FILE, the file the launcher reads NAME from
+  local name=$1 value="key_$1" file="${1}_FILE" path
+  if [[ -n "${!file:-}" ]]; then
+    path="${!file}"
+  elif [[ "$dry_run" == 1 ]]; then
+    path="<a file of its own>"
+  else
+    keydir="${keydir:-$(mktemp -d -t farskip-keys.XXXXXX)}" # mode 700, in the temporary directory
+    path="$keydir/$name"
+    (umask 077 && printf '%s' "${!value}" >"$path")
+  fi
+  export "FARSKIP_${name}_FILE=$path"
+}
+unset FARSKIP_API_KEY FARSKIP_ADMIN_API_KEY FARSKIP_API_KEY_FILE FARSKIP_ADMIN_API_KEY_FILE
+if [[ -n "$key_API_KEY" ]]; then key_to_file API_KEY; fi
+if [[ -n "$key_ADMIN_API_KEY" ]]; then key_to_file ADMIN_API_KEY; fi
 unset API_KEY ADMIN_API_KEY key_API_KEY key_ADMIN_API_KEY
 if ((multinode)); then
   cmd+=(--dist-init-addr "$dist_init_addr")
@@ -540,8 +558,8 @@ if [[ "$dry_run" == 1 ]]; then
   for var in "${FARSKIP_ENV_VARS[@]}"; do
     if [[ -v "$var" ]]; then printf '%s=%q\n' "$var" "${!var}"; fi
   done
-  if [[ -v FARSKIP_API_KEY ]]; then echo "API_KEY=<set, not shown>"; fi
-  if [[ -v FARSKIP_ADMIN_API_KEY ]]; then echo "ADMIN_API_KEY=<set, not shown>"; fi
+  if [[ -v FARSKIP_API_KEY_FILE ]]; then echo "API_KEY=<set, not shown>"; fi
+  if [[ -v FARSKIP_ADMIN_API_KEY_FILE ]]; then echo "ADMIN_API_KEY=<set, not shown>"; fi
   printf '%q ' "${cmd[@]}"
   echo
   exit 0

@@ -65,8 +65,30 @@ BAD_KEYS = {  # (argv, environment, fragments of the error)
     "short_admin_key": (["--admin-api-key", "adm-short"], {}, ["--admin-api-key", "at least 16"]),
     "same_keys": (["--api-key", GOOD_KEY], {"FARSKIP_ADMIN_API_KEY": GOOD_KEY},
                   ["are the same key", "own key"]),
+    "non_ascii_key": ([], {"FARSKIP_API_KEY": "sk-farskip-cl\u00e9-0123456789"}, ["other than printable ASCII"]),
+    "key_and_key_file": ([], {"FARSKIP_API_KEY": GOOD_KEY, "FARSKIP_API_KEY_FILE": "/etc/hostname"},
+                         ["FARSKIP_API_KEY and FARSKIP_API_KEY_FILE are both set", "keep one"]),
+    "key_file_missing": ([], {"FARSKIP_ADMIN_API_KEY_FILE": "/nonexistent/key"},
+                         ["FARSKIP_ADMIN_API_KEY_FILE=/nonexistent/key: cannot read the key", "mount the secret"]),
     "tokenizer_workers": (["--tokenizer-worker-num", "2"], {"FARSKIP_API_KEY": GOOD_KEY},
                           ["--tokenizer-worker-num", "leave it at 1"]),
+}
+# Settings that serve requests past the keys or the checks (options.UNCHECKED): refused unless
+# named in --farskip-allow-unchecked. (argv, environment, fragments of the error, or None: accepted)
+UNCHECKED = {
+    "rust_server": ([], {"SGLANG_RUST_SERVER": "1"},
+                    ["SGLANG_RUST_SERVER=1 serves the API from Rust", "--farskip-allow-unchecked rust-server"]),
+    "grpc_port": (["--grpc-port", "50051"], {}, ["--grpc-port 50051 serves gRPC, which checks no API key",
+                                                  "--farskip-allow-unchecked grpc"]),
+    "grpc_port_env": ([], {"SGLANG_GRPC_PORT": "50051"}, ["--grpc-port 50051", "--farskip-allow-unchecked grpc"]),
+    "custom_logit_processor": (["--enable-custom-logit-processor"], {},
+                               ["runs code any key holder sends", "--farskip-allow-unchecked custom-logit-processor"]),
+    "two_at_once": (["--grpc-port", "50051", "--enable-custom-logit-processor",
+                     "--farskip-allow-unchecked", "grpc"], {},
+                    ["--farskip-allow-unchecked custom-logit-processor"]),
+    "unknown_name": (["--farskip-allow-unchecked", "grpc,everything"], {},
+                     ["--farskip-allow-unchecked 'grpc,everything'", "unknown everything", "rust-server, grpc"]),
+    "opted_in": (["--enable-custom-logit-processor", "--farskip-allow-unchecked", "custom-logit-processor"], {}, None),
 }
 FP8 = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                "weight_block_size": [128, 128]}, "q_lora_rank": 1536}
@@ -112,11 +134,12 @@ def refused(tmp_path_factory) -> dict[str, str | None]:
                          "--cuda-graph-backend-prefill", "tc_piecewise"],
         **{name: {"argv": ["--model-path", demo, *argv], "env": env} for name, (argv, env, _) in BAD_KEYS.items()},
         **{name: ["--model-path", demo, *argv] for name, (argv, _) in BAD_LIMITS.items()},
+        **{name: {"argv": ["--model-path", demo, *argv], "env": env} for name, (argv, env, _) in UNCHECKED.items()},
         **{name: ["--model-path", write_config(root / name, **changes), *flags]
            for name, (changes, flags, _) in BAD_WEIGHTS.items()},
     }
     proc = subprocess.run([sys.executable, "-c", _TRY_EACH], input=json.dumps(cases),
-                          capture_output=True, text=True, timeout=4 * TIME_BOUND_S)  # 14 cases, ~45 s here
+                          capture_output=True, text=True, timeout=4 * TIME_BOUND_S)  # 39 cases
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[0].removeprefix("RESULTS "))
@@ -132,6 +155,16 @@ def assert_refused(message: str | None, *fragments: str) -> None:
 def test_bad_keys_are_refused(refused, case):
     assert_refused(refused[case], *BAD_KEYS[case][2])
     assert GOOD_KEY not in refused[case]  # the message never repeats a key
+
+
+@pytest.mark.parametrize("case", list(UNCHECKED))
+def test_what_bypasses_the_keys_or_checks_is_refused_unless_named(refused, case):
+    fragments = UNCHECKED[case][2]
+    if fragments is None:
+        assert refused[case] is None, refused[case]
+    else:
+        assert_refused(refused[case], *fragments)
+        assert "\n" not in refused[case]  # one `error:` line
 
 
 @pytest.mark.parametrize("case", list(BAD_WEIGHTS))

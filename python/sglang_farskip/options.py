@@ -30,6 +30,9 @@ ENV = "SGLANG_FARSKIP_OPTIONS"
 CPU_ATTENTION_CHOICES = ("absorbed", "mha")
 CPU_START_METHODS = ("fork", "spawn")
 LANES = ("attn", "attn+shared", "routed")  # the collectives' lane names (schedule.py)
+# SGLang features that serve requests past the API keys or this package's request checks; the
+# launcher refuses each unless named in --farskip-allow-unchecked (serve/launcher.py says why).
+UNCHECKED = ("rust-server", "grpc", "custom-logit-processor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +115,10 @@ class RuntimeOptions:
         "--farskip-max-request-tokens", type=int, metavar="T",
         help="the most tokens one request may ask for, summed over its prompts and samples "
         "(prompt + tokens to generate each); default: --farskip-max-n full contexts"))
+    allow_unchecked: tuple[str, ...] = option((), Flag(
+        "--farskip-allow-unchecked", metavar="NAMES",
+        help="serve with these SGLang features, which bypass the API keys or the request checks, "
+        f"instead of refusing them (comma-separated: {', '.join(UNCHECKED)}; default: none)"))
     # Test only (python/sglang_farskip/checks/device.py): the side stream even at TP=1, with the fork/join probe.
     force_side_stream: bool = option(False, Flag("--farskip-test-force-side-stream", type=bool, test_only=True))
     # Test only (python/sglang_farskip/checks/device.py's broken-lane control): "LANE:LAYER", e.g. "attn+shared:1";
@@ -138,11 +145,26 @@ class RuntimeOptions:
             value, choices = getattr(self, name), flags[name].choices
             if value not in choices and not (value is None and _default(name) is None):
                 raise UserError(f"{flags[name].name} {value!r}: choose one of {', '.join(choices)}")
+        object.__setattr__(self, "allow_unchecked", self._unchecked_names(self.allow_unchecked))
         if self.drop_partial is not None:
             self.dropped_collective()  # raises on a malformed value
         if self.profile_dir is not None and not os.path.isabs(self.profile_dir):
             # Workers may run in another directory than the launcher.
             raise UserError(f"profile directory {self.profile_dir!r} must be an absolute path")
+
+    @staticmethod
+    def _unchecked_names(value) -> tuple[str, ...]:
+        """--farskip-allow-unchecked as a sorted tuple of known names (a comma-separated string
+        from the command line, a list from the JSON every process reads)."""
+        flag = option_flags()["allow_unchecked"].name
+        names = value.split(",") if isinstance(value, str) else value
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise UserError(f"{flag} {value!r}: give names separated by commas, from {', '.join(UNCHECKED)}")
+        names = {n.strip() for n in names if n.strip()}
+        unknown = sorted(names - set(UNCHECKED))
+        if unknown:
+            raise UserError(f"{flag} {value!r}: unknown {', '.join(unknown)}; choose from {', '.join(UNCHECKED)}")
+        return tuple(sorted(names))
 
     @classmethod
     def from_flags(cls, given: argparse.Namespace, **resolved: Any) -> "RuntimeOptions":
@@ -199,7 +221,8 @@ def markdown_table() -> str:
         if flag.test_only:
             continue
         default = _default(name)
-        shown = "unset" if default is None else "off" if default is False else f"`{getattr(default, 'value', default)}`"
+        shown = ("unset" if default is None else "off" if default is False else "none" if default == ()
+                 else f"`{getattr(default, 'value', default)}`")
         rows.append(f"| `{flag.usage()}` | {shown} | {flag.doc or flag.help} |")
     return "\n".join(rows)
 

@@ -242,21 +242,41 @@ def gpu_overlap_graph_args(given: GivenArgs) -> list[str]:
     return ["--cuda-graph-backend-prefill", "disabled"]
 
 
-# deploy/entrypoint.sh hands the keys over in these variables rather than as flags (argv shows
-# in ps); each is read once and removed from every process the server starts (redact.py).
-KEY_VARIABLES = {"--api-key": "FARSKIP_API_KEY", "--admin-api-key": "FARSKIP_ADMIN_API_KEY"}
+# The keys reach the launcher as flags, or, the deployments' way, each in a file named by a
+# variable (deploy/entrypoint.sh): a file is read here, by the one process that needs the key,
+# so no process holds it in its environment (the watchdog that restarts this launcher holds
+# only the path). A key in the variable itself (FARSKIP_API_KEY) is read once and removed from
+# every process the server starts (redact.take_from_environment).
 MIN_KEY_CHARS = 16
+
+
+def _key_from_environment(variable: str) -> str | None:
+    """The key in `variable`, or in the file `variable`_FILE names (without its trailing
+    newlines, as the entrypoint reads a key file); None if neither is set."""
+    from sglang_farskip.serve.redact import take_from_environment
+
+    value, path = take_from_environment(variable), os.environ.pop(f"{variable}_FILE", None)
+    if path is None:
+        return value
+    if value is not None:
+        raise UserError(f"{variable} and {variable}_FILE are both set: keep one (the file)")
+    try:
+        with open(path) as f:
+            return f.read().rstrip("\n")
+    except OSError as e:
+        raise UserError(f"{variable}_FILE={path}: cannot read the key ({e.strerror}): "
+                        "mount the secret there, or unset the variable") from None
 
 
 def _keys(given: GivenArgs) -> list[str]:
     """The key flags to add from the environment; refuses empty, short or shared keys (SGLang
     checks no key at all when --api-key is empty, and with one key for both, every client is
     an admin)."""
-    from sglang_farskip.serve.redact import take_from_environment
+    from sglang_farskip.serve.redact import KEY_VARIABLES
 
     extra, keys = [], {}
     for flag, variable in KEY_VARIABLES.items():
-        from_env = take_from_environment(variable)
+        from_env = _key_from_environment(variable)
         if flag in given:
             keys[flag] = given.get(flag)
         elif from_env is not None:
@@ -267,6 +287,9 @@ def _keys(given: GivenArgs) -> list[str]:
         if not key or not key.strip():
             raise UserError(f"{where} is empty, so SGLang would check no key: give a key of at least "
                             f"{MIN_KEY_CHARS} characters, or leave the flag out")
+        if not (key.isascii() and key.isprintable()):
+            raise UserError(f"{where} holds characters other than printable ASCII, which SGLang's key "
+                            "check cannot compare: use e.g. `openssl rand -hex 32`")
         if len(key) < MIN_KEY_CHARS:
             raise UserError(f"{where} is {len(key)} characters long: use at least {MIN_KEY_CHARS} "
                             "random characters (e.g. `openssl rand -hex 32`)")
@@ -496,6 +519,7 @@ def _refuse_what_farskip_cannot_run(server_args, config: dict, farskip: FarSkipC
         from sglang_farskip.cpu import pd
 
         pd.check(resolved)
+    _refuse_unchecked(resolved, opts)
     if (getattr(resolved, "tokenizer_worker_num", 1) or 1) > 1:
         raise UserError(
             "--tokenizer-worker-num above 1 starts HTTP workers that SGLang runs without its API-key "
@@ -514,6 +538,50 @@ def _refuse_what_farskip_cannot_run(server_args, config: dict, farskip: FarSkipC
                                gpu_profiling=bool(opts.profile_dir) and not on_cpu)
         if problems:
             raise UserError("FarSkip cannot run with these settings:\n  " + "\n  ".join(problems))
+
+
+# What each --farskip-allow-unchecked name (options.UNCHECKED) lets through, as said to the user.
+UNCHECKED_CONSEQUENCES = {
+    "rust-server": "serves the API from Rust, without this launcher's key rules and request checks",
+    "grpc": "serves gRPC, which checks no API key and none of the requests",
+    "custom-logit-processor": "runs code any key holder sends in a request",
+}
+
+
+def _unchecked_features(resolved) -> dict[str, str]:
+    """{--farskip-allow-unchecked name: the setting that turns it on} for this launch:
+    - rust-server: SGLANG_RUST_SERVER=1 makes the scheduler serve the API from Rust threads
+      instead of SGLang's Python HTTP server (http_server.launch_server), where the hooks on the
+      key middleware (serve/admin.py) and the request checks (serve/admission.py) live;
+    - grpc: --grpc-port (or SGLANG_GRPC_PORT) opens SGLang's native gRPC server beside HTTP, and
+      --smg-grpc-mode (--grpc-mode) serves gRPC instead: no API key there, no request checks;
+    - custom-logit-processor: --enable-custom-logit-processor lets a request carry a pickled
+      (dill) processor that the scheduler loads and calls."""
+    from sglang.srt.environ import envs
+
+    found = {}
+    if envs.SGLANG_RUST_SERVER.get():
+        found["rust-server"] = "SGLANG_RUST_SERVER=1"
+    grpc = [f"--grpc-port {resolved.grpc_port}" if getattr(resolved, "grpc_port", None) is not None else "",
+            "--smg-grpc-mode" if getattr(resolved, "smg_grpc_mode", False) else "",
+            "--grpc-mode" if getattr(resolved, "grpc_mode", False) else ""]
+    if any(grpc):
+        found["grpc"] = " ".join(filter(None, grpc))
+    if getattr(resolved, "enable_custom_logit_processor", False):
+        found["custom-logit-processor"] = "--enable-custom-logit-processor"
+    return found
+
+
+def _refuse_unchecked(resolved, opts: RuntimeOptions) -> None:
+    """Refuses each feature that bypasses the keys or the checks unless the operator named it."""
+    features = _unchecked_features(resolved)
+    refused = [name for name in features if name not in opts.allow_unchecked]
+    if refused:
+        said = "; ".join(f"{features[name]} {UNCHECKED_CONSEQUENCES[name]}" for name in refused)
+        raise UserError(f"{said}: remove it, or accept that with --farskip-allow-unchecked {','.join(refused)}")
+    for name, setting in features.items():
+        logger.warning("%s %s (allowed by --farskip-allow-unchecked %s)", setting,
+                       UNCHECKED_CONSEQUENCES[name], name)
 
 
 def _launch_info(server_args, given: GivenArgs, own: argparse.Namespace, model_path: str,

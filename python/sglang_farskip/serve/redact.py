@@ -1,4 +1,5 @@
-"""Keep the API keys out of everything SGLang writes down or answers.
+"""Keep the API keys, and every other secret a server setting can hold, out of everything SGLang
+writes down or answers.
 
 SGLang 0.5.23 hides only its watermark secrets. Every place that writes the server's settings
 out goes through one of two functions of `sglang/srt/sampling/watermarking/core.py`:
@@ -13,9 +14,9 @@ dump unless watermarking is on.
 
 The four AROUND hooks below (rows of sglang_farskip/boundary/table.csv, installed through SGLang's
 HookRegistry by the plugin and applied by `load_plugins()` in every SGLang process, the
-launcher's included, before any of them runs) make
-`--api-key` and `--admin-api-key` read `<redacted>` wherever the watermark secrets do.
-Nothing else changes: the running server keeps and checks its keys as before.
+launcher's included, before any of them runs) make each setting of SECRET_FIELDS, and its flag
+on the command line, read `<redacted>` wherever the watermark secrets do.
+Nothing else changes: the running server keeps and uses its settings as before.
 """
 
 from __future__ import annotations
@@ -24,15 +25,34 @@ import ctypes
 import logging
 import os
 
-SECRET_FIELDS = frozenset({"api_key", "admin_api_key"})
-SECRET_FLAGS = ("--api-key", "--admin-api-key")
+# The ServerArgs fields that can hold a secret (SGLang 0.5.23's fields, read end to end; the
+# watermark's own are SGLang's to hide), each with what it holds:
+SECRET_FIELDS = frozenset({
+    "api_key", "admin_api_key",  # the inference and admin keys
+    "ssl_keyfile_password",  # decrypts the TLS private key
+    # JSON for a KV-cache storage backend or linker (Mooncake, 3FS, S3-like stores): their
+    # endpoints' credentials go here.
+    "hicache_storage_backend_extra_config", "unified_cache_external_linker_config",
+    "model_loader_extra_config",  # JSON for the weight loader, remote stores' credentials included
+    "sidecar_args",  # the command line of a sidecar program, a token of its own included
+})
+# Each as a flag (SGLang's CLI name is the field's, with dashes), longest first.
+SECRET_FLAGS = tuple(sorted((f"--{name.replace('_', '-')}" for name in SECRET_FIELDS), key=len, reverse=True))
+# SGLang's flags that begin another's secret flag but hold no secret: an exact match is not an
+# abbreviation (tests/test_secrets.py checks this list against SGLang's parser).
+NOT_SECRET_FLAGS = frozenset({"--ssl-keyfile", "--hicache-storage-backend", "--model", "--sidecar"})
 REDACTED = "<redacted>"
+# The environment variables a key may reach the launcher in (its flag: the variable); with the
+# suffix _FILE, a file holding it (serve/launcher.py reads both; serve/watchdog.py keeps the
+# first out of its own environment).
+KEY_VARIABLES = {"--api-key": "FARSKIP_API_KEY", "--admin-api-key": "FARSKIP_ADMIN_API_KEY"}
+
 
 def scrub(value):
-    """`value` with every dict entry named in SECRET_FIELDS that holds a key replaced by
+    """`value` with every dict entry named in SECRET_FIELDS that holds something replaced by
     REDACTED, at any depth (dicts, lists, tuples); other values are returned as they are."""
     if isinstance(value, dict):
-        return {k: (REDACTED if k in SECRET_FIELDS and v is not None else scrub(v))
+        return {k: (REDACTED if k in SECRET_FIELDS and v not in (None, "", {}, []) else scrub(v))
                 for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         items = [scrub(item) for item in value]
@@ -41,13 +61,15 @@ def scrub(value):
 
 
 def _is_secret_flag(word: str) -> bool:
-    """`--api-key`, `--admin-api-key`, or an abbreviation argparse would accept for one."""
-    return word.startswith("--") and len(word) > 2 and any(f.startswith(word) for f in SECRET_FLAGS)
+    """A flag of SECRET_FLAGS, or an abbreviation argparse would accept for one (SGLang's parser
+    takes any unambiguous prefix)."""
+    return (word.startswith("--") and len(word) > 2 and word not in NOT_SECRET_FLAGS
+            and any(f.startswith(word) for f in SECRET_FLAGS))
 
 
 def scrub_argv(argv) -> list[str]:
     """argv with the value of every secret flag (`--api-key KEY`, `--api-key=KEY`, also
-    abbreviated) replaced by REDACTED."""
+    abbreviated) replaced by REDACTED (each takes one value)."""
     out, hide_next = [], False
     for word in argv:
         word = str(word)

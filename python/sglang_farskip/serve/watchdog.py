@@ -115,14 +115,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _run_once(cmd: list[str], url: str, up_url: str | None, stopping: list, procs: list, *,
-              interval_s: float, timeout_s: float, failures: int,
+def _run_once(cmd: list[str], url: str, up_url: str | None, stopping: list, procs: list,
+              keys: dict[str, str], *, interval_s: float, timeout_s: float, failures: int,
               start_timeout_s: float) -> tuple[int, bool]:
     """One start of the server: (its exit status, or EXIT_UNHEALTHY when ended here; whether
     the deployment came up meanwhile)."""
     # Its own process group, so that the whole tree (SGLang's schedulers, detokenizer) can be
     # killed at once; the launcher's SIGTERM handling stops the tree itself on a normal stop.
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+                            env={**os.environ, **keys})
     procs[:] = [proc]
     armed, failed = False, 0
     start_deadline = time.monotonic() + start_timeout_s if start_timeout_s else None
@@ -168,6 +169,17 @@ def _run_once(cmd: list[str], url: str, up_url: str | None, stopping: list, proc
             return EXIT_UNHEALTHY, armed
 
 
+def _keys_out_of_environment() -> dict[str, str]:
+    """The API keys this process was given in its environment, now only in its memory: each
+    start of the server gets them in its own environment, which the launcher clears at once
+    (serve/redact.py), while this process lives as long as the deployment. (The entrypoint
+    gives it key files' paths instead; this covers any other way of starting it.)"""
+    from sglang_farskip.serve.redact import KEY_VARIABLES, take_from_environment
+
+    keys = {name: take_from_environment(name) for name in KEY_VARIABLES.values()}
+    return {name: key for name, key in keys.items() if key is not None}
+
+
 def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
               failures: int, start_timeout_s: float = 0.0, up_url: str | None = None,
               restarts: int = 0, backoff_s: float = 10.0) -> int:
@@ -182,10 +194,11 @@ def supervise(cmd: list[str], url: str, *, interval_s: float, timeout_s: float,
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
+    keys = _keys_out_of_environment()
 
     failed_starts = 0
     while True:
-        status, came_up = _run_once(cmd, url, up_url, stopping, procs, interval_s=interval_s,
+        status, came_up = _run_once(cmd, url, up_url, stopping, procs, keys, interval_s=interval_s,
                                     timeout_s=timeout_s, failures=failures,
                                     start_timeout_s=start_timeout_s)
         if stopping or status == 0:
