@@ -108,10 +108,23 @@ class RuntimeOptions:
     max_n: int = option(16, Flag(
         "--farskip-max-n", type=int, metavar="N",
         help="the most parallel samples (n, best_of) one request may ask for per prompt"))
-    max_request_tokens: Optional[int] = option(None, Flag(  # None: max_n full contexts
+    max_request_tokens: Optional[int] = option(None, Flag(  # None: the model's context length
         "--farskip-max-request-tokens", type=int, metavar="T",
-        help="the most tokens one request may ask for, summed over its prompts and samples "
-        "(prompt + tokens to generate each); default: --farskip-max-n full contexts"))
+        help="the most tokens one request may cost, summed over its prompts, counted once "
+        "tokenized: prompt + n (or beam_width) x tokens to generate, plus per-step extras; "
+        "default: the model's context length"))
+    max_batch: int = option(1024, Flag(
+        "--farskip-max-batch", type=int, metavar="N",
+        help="the most prompts one request may hold (a batch, Vertex instances, scored items, "
+        "embedding or tokenize inputs)"))
+    max_request_chars: Optional[int] = option(None, Flag(  # None: 8 per token of the budget
+        "--farskip-max-request-chars", type=int, metavar="C",
+        help="the most characters of text one request may hold, checked before tokenizing; "
+        "default: 8 per token of --farskip-max-request-tokens"))
+    max_stop_chars: int = option(256, Flag(
+        "--farskip-max-stop-chars", type=int, metavar="C",
+        help="the longest stop string, and the longest match of a stop regex, a request may give "
+        "(both are searched in the output after every generated token)"))
     # Test only (python/sglang_farskip/checks/device.py): the side stream even at TP=1, with the fork/join probe.
     force_side_stream: bool = option(False, Flag("--farskip-test-force-side-stream", type=bool, test_only=True))
     # Test only (python/sglang_farskip/checks/device.py's broken-lane control): "LANE:LAYER", e.g. "attn+shared:1";
@@ -128,9 +141,10 @@ class RuntimeOptions:
         ctas = self.side_max_ctas
         if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
             raise UserError(f"{flags['side_max_ctas'].name} {ctas}: give a positive CTA count")
-        for name, least in (("max_logprobs", 0), ("max_n", 1), ("max_request_tokens", 1)):
+        for name, least in (("max_logprobs", 0), ("max_n", 1), ("max_request_tokens", 1), ("max_batch", 1),
+                            ("max_request_chars", 1), ("max_stop_chars", 1)):
             value = getattr(self, name)
-            if value is None and name == "max_request_tokens":
+            if value is None and _default(name) is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise UserError(f"{flags[name].name} {value!r}: give an integer of at least {least}")
