@@ -216,7 +216,7 @@ def test_hostile_requests_are_refused_and_the_server_keeps_serving(servers):
         try:
             status, text = call(server.url + route, body, timeout=REFUSED_WITHIN_S)
         except OSError as e:  # no answer in time, or the server gone
-            status, text = None, f"no answer in {REFUSED_WITHIN_S} s: {e!r}"
+            status, text = None, f"no answer (within {REFUSED_WITHIN_S} s): {e!r}"
         took = time.monotonic() - start
         answers[name] = (status, round(took, 2), text[:300])
         if status is None or not 400 <= status < 500 or fragment not in text:
