@@ -103,11 +103,12 @@ class RuntimeOptions:
     # What one request may ask for (serve/admission.py; read in the HTTP process only).
     max_logprobs: int = option(20, Flag(  # vLLM's default
         "--farskip-max-logprobs", type=int, metavar="K",
-        help="the most top log-probabilities one request may ask for per token "
-        "(top_logprobs_num, OpenAI logprobs/top_logprobs; vLLM's default)"))
+        help="the most log-probabilities one request may ask for per token: top ones "
+        "(top_logprobs_num, OpenAI logprobs/top_logprobs; vLLM's default) and given ids (token_ids_logprob)"))
     max_n: int = option(16, Flag(
         "--farskip-max-n", type=int, metavar="N",
-        help="the most parallel samples (n, best_of) one request may ask for per prompt"))
+        help="the most sequences one request may ask for per prompt: parallel samples (n, best_of) "
+        "or beams (beam_width)"))
     max_request_tokens: Optional[int] = option(None, Flag(  # None: the model's context length
         "--farskip-max-request-tokens", type=int, metavar="T",
         help="the most tokens one request may cost, summed over its prompts, counted once "
