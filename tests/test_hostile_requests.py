@@ -11,9 +11,11 @@ small limits of its own, for the exact-limit checks.
 
 Planted, each failing here: without admission.py's rows in python/sglang_farskip/boundary/
 table.csv, the first case ends the server (topk out of range in the scheduler); text prompts
-counted as 0 tokens once tokenized (admission.charge), and the 800-prompt cases are served for
-minutes; without the width check of embedding overrides, /v1/score ends the scheduler (shape
-mismatch in the model runner); without admin.py's rows, the inference key gets 200 from
+counted as 0 tokens once tokenized (admission.after_validate_one): the 800-prompt case is served
+and Vertex's 50 instances get no answer in 30 s; without the width check of embedding overrides,
+/v1/score ends the scheduler (shape mismatch in the model runner); without the bound on the
+characters of text, the 30 MB /tokenize gets no answer and the server none for a minute; without
+the types of sampling fields, Vertex's non-numeric max_new_tokens is a 500; without admin.py's rows, the inference key gets 200 from
 /pause_generation.
 """
 
@@ -140,6 +142,20 @@ HOSTILE = {
     "chat stream top_logprobs huge": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
                                                                "stream": True, "logprobs": True, "top_logprobs": 1000000},
                                       "top_logprobs=1000000"),
+    # Found reading SGLang's request types (each ended the scheduler before fields.py).
+    "top_k past int32": ("/generate", {"text": "hi", "sampling_params": {**SMALL, "top_k": 10**12}}, "top_k=1000000000000"),
+    "completions top_k past int32": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "top_k": 10**12},
+                                     "top_k=1000000000000"),
+    "token_indices_to_pool outside the prompt": ("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0},
+                                                               "return_logprob": True, "token_indices_to_pool": [100000]},
+                                                 "token_indices_to_pool: position 100000"),
+    "multi_item_delimiter_indices outside the prompt": ("/generate", {
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+        "multi_item_delimiter_indices": [100000]}, "multi_item_delimiter_indices: position 100000"),
+    "embedding overrides as JSON on /generate": ("/generate", {"input_ids": [1, 2, 3], "sampling_params": SMALL,
+                                                              "positional_embed_overrides": {"embeds": [[0.1] * 7],
+                                                                                             "positions": [0]}},
+                                                "embedding overrides as plain numbers"),
     "detokenize ids beyond the vocabulary": ("/v1/detokenize", {"model": MODEL, "tokens": [1, 1000000000]},
                                              "token id 1000000000"),
     # Refused by SGLang itself.

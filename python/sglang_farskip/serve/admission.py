@@ -238,6 +238,9 @@ def after_validate_one(result, self, obj, input_ids, *args, **kwargs):
             found = fields.override_problems(overrides, model.hidden_size, prompt_len=prompt)
             if found:
                 raise Refused("; ".join(found))
+    found = fields.position_problems(obj, prompt)
+    if found:
+        raise Refused("; ".join(found))
     tally = _tally.get() or Tally(request_token_budget(_limits, model.context_len))
     charge(obj, prompt, model=model, tally=tally)
     return None

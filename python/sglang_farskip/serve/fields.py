@@ -8,6 +8,8 @@ Why each bound (SGLang 0.5.23, read at the source):
   internal fields (`is_normalized`, `stop_strs`, ...) skip SGLang's own normalization, so that
   the scheduler reads unset values every step;
 - `n`, `best_of` and `beam_width`: the sequences decoded per prompt (see cost.py);
+- `top_k` above the vocabulary: SGLang bounds it only from below, and 1e12 overflows the int32
+  tensor the scheduler builds for a batch's sampling (the scheduler ends);
 - `token_ids_logprob`: the ids whose log-probabilities every step gathers, unbounded upstream;
 - `logit_bias`: values are added to float32 logits: 1e39 is +inf there, then NaN probabilities;
 - stop strings are searched in the whole output after every step (`stop_str in decoded_text`),
@@ -18,7 +20,10 @@ Why each bound (SGLang 0.5.23, read at the source):
 - token ids outside the vocabulary, `top_logprobs_num` above it, a negative `logprob_start_len`:
   an embedding lookup, `topk` or an assertion in the scheduler raises;
 - embedding overrides (`/v1/score`'s `query_embed_overrides`, `/v1/embeddings`' `embed_overrides`)
-  of another width than the model's hidden size: a shape mismatch in the model runner.
+  of another width than the model's hidden size: a shape mismatch in the model runner;
+- prompt positions the scheduler reads at (`token_indices_to_pool`, `multi_item_delimiter_indices`:
+  /v1/score fills them in, but /generate takes them from the client's JSON) outside the prompt:
+  an IndexError in the logits processor.
 """
 
 from __future__ import annotations
@@ -45,11 +50,20 @@ _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 
 def _kind(annotation: Any) -> str:
-    """`Optional[int]` as a client reads it: "an integer or null"."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is typing.Union and len(args) == 1:
-        return f"{_kind(args[0])} or null"
+    """A declared type as a client reads it: `Optional[Set[int]]` is "a list of integers or null"."""
+    args, origin = typing.get_args(annotation), typing.get_origin(annotation)
+    if origin is typing.Union:
+        kinds = [_kind(a) for a in args if a is not type(None)]
+        return " or ".join(kinds + (["null"] if type(None) in args else []))
+    if origin in (list, set):
+        return f"a list of {_plural(args[0])}"
+    if origin is dict:
+        return f"an object of {_plural(args[1])}"
     return _KINDS.get(annotation, str(annotation).replace("typing.", ""))
+
+
+def _plural(annotation: Any) -> str:
+    return _kind(annotation).split(" ", 1)[-1] + "s"
 
 
 def _types() -> dict[str, Any]:
@@ -97,6 +111,10 @@ def sampling_problems(params: Any, *, limits: Any, vocab_size: int, name: Callab
         found.append(f"n={n}: give 1 to {cap} samples per prompt (this server's maximum, --farskip-max-n)")
     if beam is not None and not 1 <= beam <= cap:
         found.append(f"beam_width={beam}: give 1 to {cap} beams per prompt (this server's maximum, --farskip-max-n)")
+
+    top_k = params.get("top_k")
+    if top_k is not None and top_k != -1 and not 1 <= top_k <= vocab_size:
+        found.append(f"top_k={top_k}: give -1 (the whole vocabulary) or 1 to {vocab_size} (the vocabulary's size)")
 
     chars = limits.max_stop_chars
     for stop in _as_list(params.get("stop")):
@@ -184,15 +202,40 @@ def _repeats_or_branches(parsed) -> bool:
     return False
 
 
+POSITION_FIELDS = ("token_indices_to_pool", "multi_item_delimiter_indices")
+
+
+def position_problems(obj: Any, prompt_len: int) -> list[str]:
+    """Positions of one tokenized prompt that must lie inside it."""
+    found = []
+    for field in POSITION_FIELDS:
+        stack = [getattr(obj, field, None)]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, (list, tuple)):
+                stack += value
+            elif value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                        or not 0 <= value < prompt_len):
+                found.append(f"{field}: position {shown(value)} is outside the prompt of {prompt_len} tokens")
+                break
+    return found
+
+
 def override_problems(overrides: Any, hidden_size: int, prompt_len: int | None = None) -> list[str]:
     """Embedding overrides (SGLang's PositionalEmbeds, or lists of tensors) of the model's width,
     finite, at positions inside the prompt."""
     import torch
 
+    from sglang.srt.managers.embed_types import PositionalEmbeds
+
     tensors, positions = [], []
     for item in overrides if isinstance(overrides, list) else [overrides]:
         if item is None:
             continue
+        if not isinstance(item, (PositionalEmbeds, torch.Tensor)):  # raw JSON on /generate
+            return ["embedding overrides as plain numbers are not taken on this route; give them "
+                    "through /v1/score (query_embed_overrides, item_embed_overrides) or /v1/embeddings "
+                    "(embed_overrides)"]
         embeds = getattr(item, "embeds", item)
         positions += list(getattr(item, "positions", []) or [])
         tensors += embeds if isinstance(embeds, list) else [embeds]
