@@ -152,7 +152,7 @@ def test_the_upgrade_check_names_a_renamed_target(tmp_path):
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, errors
     assert "TokenizerManager.generate_request" in errors[0]
-    assert "sglang_farskip.serve.admission:before_generate" in errors[0]
+    assert "sglang_farskip.serve.admission:around_generate" in errors[0]
 
 
 def test_patches_readme_holds_the_table():

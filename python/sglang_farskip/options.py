@@ -106,15 +106,29 @@ class RuntimeOptions:
     # What one request may ask for (serve/admission.py; read in the HTTP process only).
     max_logprobs: int = option(20, Flag(  # vLLM's default
         "--farskip-max-logprobs", type=int, metavar="K",
-        help="the most top log-probabilities one request may ask for per token "
-        "(top_logprobs_num, OpenAI logprobs/top_logprobs; vLLM's default)"))
+        help="the most log-probabilities one request may ask for per token: top ones "
+        "(top_logprobs_num, OpenAI logprobs/top_logprobs; vLLM's default) and given ids (token_ids_logprob)"))
     max_n: int = option(16, Flag(
         "--farskip-max-n", type=int, metavar="N",
-        help="the most parallel samples (n, best_of) one request may ask for per prompt"))
-    max_request_tokens: Optional[int] = option(None, Flag(  # None: max_n full contexts
+        help="the most sequences one request may ask for per prompt: parallel samples (n, best_of) "
+        "or beams (beam_width)"))
+    max_request_tokens: Optional[int] = option(None, Flag(  # None: the model's context length
         "--farskip-max-request-tokens", type=int, metavar="T",
-        help="the most tokens one request may ask for, summed over its prompts and samples "
-        "(prompt + tokens to generate each); default: --farskip-max-n full contexts"))
+        help="the most tokens one request may cost, summed over its prompts, counted once "
+        "tokenized: prompt + n (or beam_width) x tokens to generate, plus per-step extras; "
+        "default: the model's context length"))
+    max_batch: int = option(1024, Flag(
+        "--farskip-max-batch", type=int, metavar="N",
+        help="the most prompts one request may hold (a batch, Vertex instances, scored items, "
+        "embedding or tokenize inputs)"))
+    max_request_chars: Optional[int] = option(None, Flag(  # None: 8 per token of the budget
+        "--farskip-max-request-chars", type=int, metavar="C",
+        help="the most characters of text one request may hold, checked before tokenizing; "
+        "default: 8 per token of --farskip-max-request-tokens"))
+    max_stop_chars: int = option(256, Flag(
+        "--farskip-max-stop-chars", type=int, metavar="C",
+        help="the longest stop string, and the longest match of a stop regex, a request may give "
+        "(both are searched in the output after every generated token)"))
     allow_unchecked: tuple[str, ...] = option((), Flag(
         "--farskip-allow-unchecked", metavar="NAMES",
         help="serve with these SGLang features, which bypass the API keys or the request checks, "
@@ -135,9 +149,10 @@ class RuntimeOptions:
         ctas = self.side_max_ctas
         if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
             raise UserError(f"{flags['side_max_ctas'].name} {ctas}: give a positive CTA count")
-        for name, least in (("max_logprobs", 0), ("max_n", 1), ("max_request_tokens", 1)):
+        for name, least in (("max_logprobs", 0), ("max_n", 1), ("max_request_tokens", 1), ("max_batch", 1),
+                            ("max_request_chars", 1), ("max_stop_chars", 1)):
             value = getattr(self, name)
-            if value is None and name == "max_request_tokens":
+            if value is None and _default(name) is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise UserError(f"{flags[name].name} {value!r}: give an integer of at least {least}")
