@@ -49,13 +49,15 @@ class Row:
     params: tuple[str, ...] = ()
     key: str | None = None
     how: str = ""  # registry: "item" (target[key] = value), "call" (target(key, value)),
-    #                "decorator" (target(key)(value)), "name" (target(key): the name alone)
+    #                "decorator" (target(key)(value)), "name" (target(key): the name alone),
+    #                "middleware" (target(value): an ASGI middleware class for an app's
+    #                add_middleware; key names it)
     only_if: str = ""  # installed kinds: "module:predicate" of ours that must answer True
 
 
 CSV = Path(__file__).with_name("table.csv")
 PROCESSES = GROUPS + ("model", "launcher", "read")
-HOW = {"registry": ("item", "call", "decorator", "name")}
+HOW = {"registry": ("item", "call", "decorator", "name", "middleware")}
 
 
 def _row(line: dict) -> Row:
