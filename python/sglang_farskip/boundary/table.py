@@ -9,7 +9,8 @@ why. Kinds:
 
     before, after, around   a hook through SGLang's HookRegistry (upstream's plugin machinery)
     replace                 an SGLang attribute set to an object of ours where a hook cannot do it
-    registry                an entry in one of SGLang's registries (models, attention backends)
+    registry                an entry in one of SGLang's registries (models, attention backends,
+                            its HTTP app's middleware)
     subclass                a method of an SGLang class that a class of ours overrides
     class-swap              an SGLang object whose class is swapped for a subclass of ours
     env                     an environment switch SGLang reads, set by us

@@ -200,7 +200,11 @@ class HealthCache:
     async def _probe(self) -> int:
         from sglang.srt.entrypoints import http_server
 
-        response = await http_server.health_generate(_probe_request())
+        try:
+            response = await http_server.health_generate(_probe_request())
+        except Exception:  # every caller waiting on it would get a 500
+            logger.exception("SGLang's /health_generate probe raised")
+            return 503
         if response.status_code == 200:
             self._ok_at = time.monotonic()
         return response.status_code
@@ -334,14 +338,12 @@ async def forget_closed_session(original, self, obj, *args, **kwargs):
 # ---------------------------------------------------------------- 4. /v1/responses' store
 class BoundedStore(dict):
     """A dict that keeps at most `limit` entries, none older than `max_age_s` (from when its key
-    was first stored); the oldest go first. `partner`: a store whose entry of the same key goes
-    with this one's (a response and its input history)."""
+    was first stored); the oldest go first."""
 
     def __init__(self, limit: int, max_age_s: float):
         super().__init__()
         self.limit, self.max_age_s = limit, max_age_s
         self._born: dict[Any, float] = {}  # insertion order is age order
-        self.partner: Optional[BoundedStore] = None
 
     def __setitem__(self, key, value) -> None:
         if key not in self._born:
@@ -375,21 +377,21 @@ class BoundedStore(dict):
             key, born = next(iter(self._born.items()))
             if born >= oldest_kept and len(self._born) <= self.limit:
                 return
-            self._drop(key)
-            if self.partner is not None:
-                self.partner._drop(key)
+            self._born.pop(key)
+            super().pop(key, None)
 
-    def _drop(self, key) -> None:
-        self._born.pop(key, None)
-        super().pop(key, None)
+
+# A response's input is stored when its request starts and read (by a request that chains on
+# it) after its response was found: inputs are kept longer, and more of them, so that one whose
+# response is still stored is too.
+INPUT_GRACE_S = 60
 
 
 def bounded_response_stores(result, self, *args, **kwargs):
     """AFTER OpenAIServingResponses.__init__: its response and input stores, bounded."""
     opts = _options()
     responses = BoundedStore(opts.max_stored_responses, opts.stored_response_ttl_s)
-    inputs = BoundedStore(opts.max_stored_responses, opts.stored_response_ttl_s)
-    responses.partner, inputs.partner = inputs, responses
+    inputs = BoundedStore(2 * opts.max_stored_responses, opts.stored_response_ttl_s + INPUT_GRACE_S)
     for store, old in ((responses, self.response_store), (inputs, self.msg_store)):
         for key, value in old.items():  # empty when built; kept should that change
             store[key] = value
