@@ -146,25 +146,28 @@ def test_past_the_queue_bound_a_client_gets_429_at_once(server):
     long_body = {"input_ids": [1, 2, 3], "rid": "shed-test-long",
                  "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
     running = [in_background(server.url + "/generate", long_body)]
-    wait_for_load(server, running=1, waiting=0)
-    queued = [in_background(server.url + "/generate", GEN) for _ in range(QUEUED)]
-    wait_for_load(server, running=1, waiting=QUEUED)
-
-    answers = {}
-    for name, (route, body) in PAST_THE_BOUND.items():
-        status, headers, text, seconds = call(server.url + route, body, timeout=SHED_BOUND_S)
-        answers[name] = (status, headers.get("Retry-After"), round(seconds, 2), text[:160])
-        assert status == 429, (name, status, text[:400])
-        assert headers.get("Retry-After") == "1", (name, dict(headers))
-        assert "queue is full" in text and "data:" not in text, (name, text[:400])
-    print(json.dumps(answers, indent=1))
-    wait_for_load(server, running=1, waiting=QUEUED)  # the queue was full throughout
-
-    # The requests within the bound are served: the short ones once the long one is stopped.
-    status, _, text, _ = call(server.url + "/abort_request", {"rid": "shed-test-long"}, key=ADMIN)
+    queued = []
+    try:
+        wait_for_load(server, running=1, waiting=0)
+        queued = [in_background(server.url + "/generate", GEN) for _ in range(QUEUED)]
+        wait_for_load(server, running=1, waiting=QUEUED)
+        answers = {}
+        for name, (route, body) in PAST_THE_BOUND.items():
+            status, headers, text, seconds = call(server.url + route, body, timeout=SHED_BOUND_S)
+            answers[name] = (status, headers.get("Retry-After"), round(seconds, 2), text[:160])
+            assert status == 429, (name, status, text[:400])
+            assert headers.get("Retry-After") == "1", (name, dict(headers))
+            assert "queue is full" in text and "data:" not in text, (name, text[:400])
+        print(json.dumps(answers, indent=1))
+        wait_for_load(server, running=1, waiting=QUEUED)  # the queue was full throughout
+    finally:  # the server is shared: stop the long one whatever happened
+        status, _, text, _ = call(server.url + "/abort_request", {"rid": "shed-test-long"}, key=ADMIN)
+        for thread, _ in running + queued:
+            thread.join(timeout=300)
     assert status == 200, text
-    for thread, answer in running + queued:
-        thread.join(timeout=300)
+
+    # The requests within the bound were served: the short ones once the long one was stopped.
+    for _, answer in running + queued:
         assert answer and answer[0][0] == 200, answer
     for _, answer in queued:
         assert json.loads(answer[0][2])["meta_info"]["completion_tokens"] == 2, answer
@@ -200,19 +203,22 @@ def open_session(server) -> tuple[int, dict, str]:
 
 def test_sessions_are_bounded_in_number(server):
     ids = []
-    for _ in range(MAX_SESSIONS):
-        status, _, body = open_session(server)
+    try:
+        for _ in range(MAX_SESSIONS):
+            status, _, body = open_session(server)
+            assert status == 200, body
+            ids.append(json.loads(body))
+        status, headers, body = open_session(server)
+        assert status == 429 and "--farskip-max-sessions" in body, (status, body)
+        assert 1 <= int(headers.get("Retry-After", 0)) <= LIFETIME_S, dict(headers)
+        status, _, body, _ = call(server.url + "/close_session", {"session_id": ids.pop(0)})
+        assert status == 200, body
+        status, _, body = open_session(server)  # the closed one's place
         assert status == 200, body
         ids.append(json.loads(body))
-    status, headers, body = open_session(server)
-    assert status == 429 and "--farskip-max-sessions" in body, (status, body)
-    assert 1 <= int(headers["Retry-After"]) <= LIFETIME_S, dict(headers)
-    status, _, body, _ = call(server.url + "/close_session", {"session_id": ids[0]})
-    assert status == 200, body
-    status, _, body = open_session(server)  # the closed one's place
-    assert status == 200, body
-    for session_id in (ids[1], json.loads(body)):
-        assert call(server.url + "/close_session", {"session_id": session_id})[0] == 200
+    finally:  # the server is shared
+        for session_id in ids:
+            assert call(server.url + "/close_session", {"session_id": session_id})[0] == 200
 
 
 def stored_response(server) -> str:
