@@ -1,5 +1,5 @@
-"""Load is shed, not queued (python/sglang_farskip/serve/shed.py), on one keyed demo server with
-a small queue (one running request, two queued):
+"""Load is shed, not queued (python/sglang_farskip/serve/shed.py, stores.py), on one keyed demo
+server with a small queue (one running request, two queued):
 - past the queue bound a request is answered 429 with a Retry-After at once, streaming or not,
   on /generate and the OpenAI routes, while the requests within the bound are served; the
   scheduler is the same process afterwards and still serves;
