@@ -43,9 +43,10 @@ ARGS = ["--sleep-on-idle", "--max-running-requests", "1", "--max-queued-requests
         "--enable-response-store", "--farskip-health-cache-s", "600",
         "--farskip-max-sessions", str(MAX_SESSIONS), "--farskip-session-lifetime-s", str(LIFETIME_S),
         "--farskip-max-stored-responses", str(MAX_STORED), "--farskip-stored-response-ttl-s", str(LIFETIME_S)]
-# A shed request is answered within a scheduler step or a few; one that is queued instead waits
-# behind a generation of minutes here, so this bound tells them apart with a wide margin.
-SHED_BOUND_S = 10
+# A shed request is answered within a scheduler step or a few (0.02 s here when idle); one that
+# is queued instead waits behind a generation of minutes, so this bound tells them apart with a
+# wide margin, also on a machine many times overloaded.
+SHED_BOUND_S = 30
 
 # The launcher's own resolution of SGLang's flags, in a subprocess (SGLang's import is ~20 s).
 _QUEUE_PROBE = r"""
@@ -185,15 +186,19 @@ def test_the_launcher_bounds_the_queue_unless_told(started):
     assert status == 200 and json.loads(body)["max_queued_requests"] == QUEUED
 
 
+def generations(server) -> int:
+    """The batches the scheduler has prefilled so far (SGLang logs each one)."""
+    return server.log_path.read_text(errors="replace").count("Prefill batch")
+
+
 def test_health_generate_is_no_free_generation(server):
-    """Ten checks in a row, without a key: one real probe at most (SGLang's probe takes a second
-    or more: it polls for the generated token every second), the others its answer."""
-    times = []
+    """Ten checks in a row, without a key: at most one real generation (SGLang's own probe
+    generates on each)."""
+    before = generations(server)
     for _ in range(10):
-        status, _, _, seconds = call(server.url + "/health_generate", key=None, method="GET")
+        status, _, _, _ = call(server.url + "/health_generate", key=None, method="GET")
         assert status == 200
-        times.append(seconds)
-    assert sum(times) < 5, times  # ten real probes take at least 10 s
+    assert generations(server) - before <= 1
 
 
 def open_session(server) -> tuple[int, dict, str]:
