@@ -133,6 +133,25 @@ class RuntimeOptions:
         "--farskip-allow-unchecked", metavar="NAMES",
         help="serve with these SGLang features, which bypass the API keys or the request checks, "
         f"instead of refusing them (comma-separated: {', '.join(UNCHECKED)}; default: none)"))
+    # What clients may keep on the server (serve/shed.py; read in the HTTP process only).
+    health_cache_s: float = option(5.0, Flag(
+        "--farskip-health-cache-s", type=float, metavar="T",
+        help="/health_generate runs one real generation at most every T seconds; callers in "
+        "between get the last successful answer (0: every call generates, as SGLang does)"))
+    max_sessions: int = option(64, Flag(
+        "--farskip-max-sessions", type=int, metavar="N",
+        help="the most sessions (/open_session) open at once; one more is refused with a 429"))
+    session_lifetime_s: float = option(1800.0, Flag(
+        "--farskip-session-lifetime-s", type=float, metavar="S",
+        help="a session is closed S seconds after it was opened"))
+    max_stored_responses: int = option(1024, Flag(
+        "--farskip-max-stored-responses", type=int, metavar="N",
+        help="with --enable-response-store: the most /v1/responses results kept; the oldest "
+        "is dropped first"))
+    stored_response_ttl_s: float = option(3600.0, Flag(
+        "--farskip-stored-response-ttl-s", type=float, metavar="S",
+        help="with --enable-response-store: a stored /v1/responses result is dropped S seconds "
+        "after it was stored"))
     # Test only (python/sglang_farskip/checks/device.py): the side stream even at TP=1, with the fork/join probe.
     force_side_stream: bool = option(False, Flag("--farskip-test-force-side-stream", type=bool, test_only=True))
     # Test only (python/sglang_farskip/checks/device.py's broken-lane control): "LANE:LAYER", e.g. "attn+shared:1";
@@ -150,12 +169,17 @@ class RuntimeOptions:
         if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
             raise UserError(f"{flags['side_max_ctas'].name} {ctas}: give a positive CTA count")
         for name, least in (("max_logprobs", 0), ("max_n", 1), ("max_request_tokens", 1), ("max_batch", 1),
-                            ("max_request_chars", 1), ("max_stop_chars", 1)):
+                            ("max_request_chars", 1), ("max_stop_chars", 1), ("max_sessions", 1),
+                            ("max_stored_responses", 1)):
             value = getattr(self, name)
             if value is None and _default(name) is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise UserError(f"{flags[name].name} {value!r}: give an integer of at least {least}")
+        for name, least in (("health_cache_s", 0.0), ("session_lifetime_s", 1.0), ("stored_response_ttl_s", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < float("inf"):
+                raise UserError(f"{flags[name].name} {value!r}: give a number of seconds of at least {least:g}")
         for name in ("cpu_attention", "cpu_start_method"):  # the mode's were checked by its parse
             value, choices = getattr(self, name), flags[name].choices
             if value not in choices and not (value is None and _default(name) is None):

@@ -94,6 +94,8 @@ def _register(row: Row, value) -> None:
         registry(row.key)(value)
     elif row.how == "name":
         registry(row.key)
+    elif row.how == "middleware":  # app.add_middleware(cls): before the app first serves
+        registry(value)
     else:
         raise ValueError(f"boundary row {row.target}: unknown registry style {row.how!r}")
 
@@ -132,6 +134,9 @@ def _registered(row: Row, value) -> bool:
     if row.how == "call":  # AttentionBackendRegistry.register(name, handler)
         holder, _ = split(row.target)
         return holder.get_handler(row.key) is value
+    if row.how == "middleware":  # app.add_middleware(cls)
+        app, _ = split(row.target)
+        return any(m.cls is value for m in app.user_middleware)
     if row.how == "decorator":  # register_attention_backend(name)(factory)
         holder = importlib.import_module(row.target.rpartition(".")[0])
         return holder.ATTENTION_BACKENDS.get(row.key) is value

@@ -9,7 +9,8 @@ why. Kinds:
 
     before, after, around   a hook through SGLang's HookRegistry (upstream's plugin machinery)
     replace                 an SGLang attribute set to an object of ours where a hook cannot do it
-    registry                an entry in one of SGLang's registries (models, attention backends)
+    registry                an entry in one of SGLang's registries (models, attention backends,
+                            its HTTP app's middleware)
     subclass                a method of an SGLang class that a class of ours overrides
     class-swap              an SGLang object whose class is swapped for a subclass of ours
     env                     an environment switch SGLang reads, set by us
@@ -49,13 +50,15 @@ class Row:
     params: tuple[str, ...] = ()
     key: str | None = None
     how: str = ""  # registry: "item" (target[key] = value), "call" (target(key, value)),
-    #                "decorator" (target(key)(value)), "name" (target(key): the name alone)
+    #                "decorator" (target(key)(value)), "name" (target(key): the name alone),
+    #                "middleware" (target(value): an ASGI middleware class for an app's
+    #                add_middleware; key names it)
     only_if: str = ""  # installed kinds: "module:predicate" of ours that must answer True
 
 
 CSV = Path(__file__).with_name("table.csv")
 PROCESSES = GROUPS + ("model", "launcher", "read")
-HOW = {"registry": ("item", "call", "decorator", "name")}
+HOW = {"registry": ("item", "call", "decorator", "name", "middleware")}
 
 
 def _row(line: dict) -> Row:

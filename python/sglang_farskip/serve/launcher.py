@@ -382,7 +382,9 @@ def prepare(argv: list[str]) -> tuple[object, dict]:
     gpu = _gpu_present()
     given = _read_sglang_flags(argv, gpu)
     on_cpu = _on_cpu(given, gpu)
-    argv = argv + _keys(given)
+    from sglang_farskip.serve.shed import queue_args
+
+    argv = argv + _keys(given) + queue_args(given)  # a bounded queue unless given
     model_path, argv = _model_to_serve(own, given, argv)
     config = read_checkpoint_config(model_path)
     farskip = check_farskip(config, model_path)
