@@ -772,15 +772,15 @@ def test_k8s_router_finds_the_pd_servers(model):
     on; its --decode the decode leader's."""
     prefill, decode = pd_lws("prefill"), pd_lws("decode")
     router_env = {**container_env(pod_template(k8s_object("Deployment", "sglang-farskip-router"))),
-                  "API_KEY": TEST_API_KEY}
+                  "API_KEY": TEST_API_KEY, "ADMIN_API_KEY": ADMIN_TEST_KEY}
     assert_pd_wiring(router_env, pd_leader_command(prefill, model), pd_leader_command(decode, model),
                      *(f"{d['metadata']['name']}-0.{d['metadata']['name']}" for d in (prefill, decode)))
 
 
 def test_k8s_router_deployment():
     """Ready on the router's /workers (as compose's healthcheck), alive on /health; one port
-    across the env, the container, the Service and the NetworkPolicy; the servers' API_KEY from
-    the Secret, and no admin key."""
+    across the env, the container, the Service and the NetworkPolicy; the servers' API_KEY and
+    ADMIN_API_KEY (its control plane's key) from the Secret."""
     deployment = k8s_object("Deployment", "sglang-farskip-router")
     template = pod_template(deployment)
     (container,) = template["spec"]["containers"]
@@ -804,8 +804,10 @@ def test_k8s_router_deployment():
     secrets = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"] if "secretKeyRef" in v.get("valueFrom", {})}
     assert {n: (s["name"], s["key"]) for n, s in secrets.items()} == {
         "API_KEY": ("sglang-farskip-api-key", "API_KEY"),
+        # Its control plane's one key (deploy/router.py refuses API_KEY without it).
+        "ADMIN_API_KEY": ("sglang-farskip-api-key", "ADMIN_API_KEY"),
         "FARSKIP_ALLOW_NO_API_KEY": ("sglang-farskip-api-key", "FARSKIP_ALLOW_NO_API_KEY")}
-    assert "envFrom" not in container  # so never the servers' ADMIN_API_KEY
+    assert "envFrom" not in container  # the keys by name, nothing else of the Secret
 
 
 def test_k8s_pd_network_policy():
@@ -886,7 +888,8 @@ while len([n for n in os.listdir(log) if n.endswith(".json")]) < 3 and time.time
         (bin_dir / tool_).chmod(0o755)
     job = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
            "SLURM_JOB_NUM_NODES": "3", "SLURM_SUBMIT_DIR": str(ROOT), "FARSKIP_ROUTER_PYTHON": sys.executable,
-           "API_KEY": TEST_API_KEY, "MODEL_PATH": "/models/DeepSeek-V3-FarSkip", "NET_IFNAME": "ens8np0", **env}
+           "API_KEY": TEST_API_KEY, "ADMIN_API_KEY": ADMIN_TEST_KEY, "MODEL_PATH": "/models/DeepSeek-V3-FarSkip",
+           "NET_IFNAME": "ens8np0", **env}
     proc = run(["bash", str(SBATCH_PD)], env=job, timeout=60)
     steps = {}
     for record in log.glob("*.json"):
@@ -904,7 +907,8 @@ def test_slurm_pd_job_runs_each_role_and_the_router(tmp_path, model):
     with --kill-on-bad-exit; the first step to end ends the job, as a failure."""
     proc, steps = run_sbatch_pd(tmp_path, ADMIN_API_KEY=ADMIN_TEST_KEY)
     assert set(steps) == {"prefill", "decode", "router"}, (steps.keys(), proc.stderr)
-    assert steps["prefill"]["env"]["ADMIN_API_KEY"] == ADMIN_TEST_KEY and "ADMIN_API_KEY" not in steps["router"]["env"]
+    # The router's control plane answers the admin key alone (deploy/router.py).
+    assert steps["prefill"]["env"]["ADMIN_API_KEY"] == steps["router"]["env"]["ADMIN_API_KEY"] == ADMIN_TEST_KEY
     assert proc.returncode == 1 and "stopping the others" in proc.stderr, proc.stderr
     for step in steps.values():
         assert "--kill-on-bad-exit=1" in step["argv"] and "--ntasks-per-node=1" in step["argv"]
@@ -1377,8 +1381,21 @@ def router_vars() -> list[str]:
     return re.findall(r'"([A-Z][A-Z0-9_]*)"', m[1])
 
 
+def deploy_router():
+    """deploy/router.py as a module (standard library only)."""
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("deploy_router", ROUTER)
+    module = module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def router_check(**env: str) -> subprocess.CompletedProcess:
     return run([sys.executable, str(ROUTER), "--check"], env={"PATH": os.environ["PATH"], **env})
+
+
+ROUTER_KEYS = {"API_KEY": TEST_API_KEY, "ADMIN_API_KEY": ADMIN_TEST_KEY}
 
 
 def assert_pd_wiring(router_env: dict[str, str], prefill_argv: list[str], decode_argv: list[str],
@@ -1410,7 +1427,7 @@ def test_router_builds_pd_and_replica_commands():
     assert "--health-check-interval-secs" in shared and "--retry-max-retries" in shared
     assert ROUTER_FLAGS[-2:] == ["--request-timeout-secs", str(TEST_REQUEST_TIMEOUT_S)]
     proc = router_check(PREFILL_URLS="http://10.0.0.1:30000", DECODE_URLS="http://10.0.0.2:30000,http://10.0.0.3:30000",
-                        API_KEY=TEST_API_KEY, BOOTSTRAP_PORT="9000")
+                        BOOTSTRAP_PORT="9000", **ROUTER_KEYS)
     assert proc.returncode == 0, proc.stderr
     pd = shlex.split(proc.stdout)
     assert pd[pd.index("--prefill"):pd.index("--prefill") + 3] == ["--prefill", "http://10.0.0.1:30000", "9000"]
@@ -1418,16 +1435,18 @@ def test_router_builds_pd_and_replica_commands():
     assert "--pd-disaggregation" in pd and "--worker-urls" not in pd
     assert " ".join(shared) in " ".join(pd)
     assert flag(pd, "--request-timeout-secs") == "600" and flag(pd, "--prometheus-host") == "127.0.0.1"
-    proc = router_check(WORKER_URLS="http://a:30000 http://b:30000", API_KEY=TEST_API_KEY, ROUTER_REQUEST_TIMEOUT="900")
+    proc = router_check(WORKER_URLS="http://a:30000 http://b:30000", ROUTER_REQUEST_TIMEOUT="900", **ROUTER_KEYS)
     plain = shlex.split(proc.stdout)
     assert plain[plain.index("--worker-urls") + 1:][:2] == ["http://a:30000", "http://b:30000"]
     assert " ".join(shared) in " ".join(plain) and flag(plain, "--request-timeout-secs") == "900"
     for out in (proc.stdout + proc.stderr, " ".join(pd)):
         assert TEST_API_KEY not in out and "--api-key" not in out
+        assert ADMIN_TEST_KEY not in out and "--control-plane-api-keys" not in out
 
 
 def test_sglang_router_accepts_the_commands():
-    """The pinned sglang-router (its own venv, .venv-router) parses what deploy/router.py builds."""
+    """The pinned sglang-router (its own venv, .venv-router) parses what deploy/router.py builds,
+    and makes an admin control-plane key of the entry deploy/router.py gives it in memory."""
     python = ROOT / ".venv-router" / "bin" / "python"
     if not python.exists():
         pytest.fail(f"{python} is missing: run scripts/bootstrap.sh (it makes the router's environment)")
@@ -1438,13 +1457,19 @@ for flags in json.loads(sys.argv[1]):
     args = parse_router_args(flags)
     print(json.dumps([args.pd_disaggregation, args.prefill_urls, args.decode_urls, args.worker_urls,
                       args.request_timeout_secs, args.health_check_interval_secs]))
+from sglang_router.router import build_control_plane_auth_config
+auth = build_control_plane_auth_config({"control_plane_api_keys": [tuple(k) for k in json.loads(sys.argv[2])]})
+print(json.dumps([[k.id, k.role == k.role.Admin] for k in auth.api_keys]))
 """
-    commands = [shlex.split(router_check(API_KEY=TEST_API_KEY, **env).stdout) for env in (
+    module = deploy_router()
+    commands = [shlex.split(router_check(**ROUTER_KEYS, **env).stdout) for env in (
         {"PREFILL_URLS": "http://p:30000", "DECODE_URLS": "http://d:30000"},
         {"WORKER_URLS": "http://a:30000,http://b:30000"})]
-    proc = run([str(python), "-c", probe, json.dumps(commands)], timeout=60)
+    keys = module.control_plane_keys(ADMIN_TEST_KEY)
+    proc = run([str(python), "-c", probe, json.dumps(commands), json.dumps(keys)], timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pd, plain = (json.loads(line) for line in proc.stdout.strip().splitlines())
+    pd, plain, control = (json.loads(line) for line in proc.stdout.strip().splitlines())
+    assert control == [["farskip-admin", True]] and keys[0][2] == ADMIN_TEST_KEY
     assert pd[:3] == [True, [["http://p:30000", 8998]], ["http://d:30000"]] and pd[4] == 600
     assert plain[0] is False and plain[3] == ["http://a:30000", "http://b:30000"] and plain[5] == 2
 
@@ -1461,6 +1486,13 @@ ROUTER_ERRORS = {
     "key and key file": ({"API_KEY_FILE": "/etc/hostname"}, "keep one"),
     "key file missing": ({"API_KEY": "", "API_KEY_FILE": "/nonexistent/key"}, "not a readable file"),
     "key in extra args": ({"ROUTER_EXTRA_ARGS": "--api-key x"}, "ROUTER_EXTRA_ARGS"),
+    "control-plane key in extra args": ({"ROUTER_EXTRA_ARGS": "--control-plane-api-keys a:b:admin:c"},
+                                        "ROUTER_EXTRA_ARGS"),
+    # Without it the router's control plane answers the inference key.
+    "API key without admin key": ({"ADMIN_API_KEY": ""}, "ADMIN_API_KEY is not"),
+    "admin key is the API key": ({"ADMIN_API_KEY": TEST_API_KEY}, "same as API_KEY"),
+    "admin key and admin key file": ({"ADMIN_API_KEY_FILE": "/etc/hostname"}, "keep one"),
+    "admin key file missing": ({"ADMIN_API_KEY": "", "ADMIN_API_KEY_FILE": "/nonexistent/key"}, "not a readable file"),
     "allow not 0/1": ({"FARSKIP_ALLOW_NO_API_KEY": "yes"}, "FARSKIP_ALLOW_NO_API_KEY"),
 }
 
@@ -1468,7 +1500,7 @@ ROUTER_ERRORS = {
 @pytest.mark.parametrize("case", sorted(ROUTER_ERRORS))
 def test_router_rejects(case):
     overrides, needle = ROUTER_ERRORS[case]
-    env = {"WORKER_URLS": "http://a:30000", "API_KEY": TEST_API_KEY}
+    env = {"WORKER_URLS": "http://a:30000", **ROUTER_KEYS}
     if "WORKER_URLS" not in overrides and ("PREFILL_URLS" in overrides or case == "no workers"):
         env.pop("WORKER_URLS")
     proc = router_check(**{**env, **overrides})
@@ -1484,11 +1516,7 @@ def test_router_serves_without_a_key_on_loopback_or_by_choice():
 
 
 def test_router_variables_are_documented_and_listed_with_the_defaults():
-    from importlib.util import module_from_spec, spec_from_file_location
-
-    spec = spec_from_file_location("deploy_router", ROUTER)
-    module = module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = deploy_router()
     documented = doc_table("Variables read by deploy/router.py")
     assert set(documented) == set(router_vars())
     active, commented = read_env_file(ROUTER_ENV)
