@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,7 +198,8 @@ def test_compose_gpu_service(platform, rank):
     assert int(svc["shm_size"]) >= 16 * 2**30
     assert svc["ulimits"]["memlock"] == -1
     assert svc["healthcheck"]["test"] == ["CMD", "/opt/sglang-farskip/deploy/healthcheck.sh"]
-    assert svc["restart"] == "no"  # the watchdog restarts inside: docs/deploy.md, Self-healing
+    # Back after any death, parked on 2 and 71: docs/deploy.md, Self-healing.
+    assert svc["restart"] == "unless-stopped" and svc["environment"]["PARK_ON_ERROR"] == "1"
     if platform == "rocm":
         assert {d["source"] for d in svc["devices"]} == {"/dev/kfd", "/dev/dri"}
         assert "video" in svc["group_add"]
@@ -232,6 +234,30 @@ def test_compose_loadtest_targets_node0_with_the_bench_locustfile():
     own = set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', (ROOT / "bench" / "locustfile.py").read_text()))
     passed = {a for a in command if a.startswith("--")}
     assert passed - locust_flags <= own, f"not defined by bench/locustfile.py: {passed - locust_flags - own}"
+
+
+def test_compose_servers_come_back_and_park():
+    """Every server service: restarted after any death (unless-stopped), parked rather than
+    exited on 2 and 71 (PARK_ON_ERROR=1, fixed: the env file cannot turn it off), so that a
+    refused setting is never started again in a loop."""
+    seen = set()
+    for env_files, profiles in ((NODE_ENVS[:1], ("rocm", "cuda")), (CPU_NODE_ENVS[:1], ("cpu-nodes",)),
+                                ((), ("cpu",)), (ONE_HOST_ENVS.values(), ("pd-cpu", "replicas-cpu"))):
+        config = compose_config(VERSIONS, *env_files, extra_env={"COMPOSE_PROFILES": ",".join(profiles),
+                                                                 "PARK_ON_ERROR": "0"})
+        for name, svc in config["services"].items():
+            if "healthcheck.sh" in " ".join(svc.get("healthcheck", {}).get("test", [])):
+                seen.add(name)
+                assert svc["restart"] == "unless-stopped", name
+                assert svc["environment"]["PARK_ON_ERROR"] == "1", name
+    assert {"farskip-rocm", "farskip-cuda", "farskip-cpu", "demo-cpu", "pd-prefill", "replica-a"} <= seen, seen
+
+
+def test_parked_marker_is_one_path():
+    """The entrypoint writes the parked marker where deploy/healthcheck.sh reads it."""
+    written = re.search(r'^parked_file="(.+)"$', ENTRYPOINT.read_text(), re.M)
+    read = re.search(r'^parked="(.+)"$', HEALTHCHECK.read_text(), re.M)
+    assert written and read and written[1] == read[1], (written, read)
 
 
 def test_compose_cpu_demo_uses_the_entrypoint_single_node():
@@ -888,6 +914,7 @@ while len([n for n in os.listdir(log) if n.endswith(".json")]) < 3 and time.time
         (bin_dir / tool_).chmod(0o755)
     job = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
            "SLURM_JOB_NUM_NODES": "3", "SLURM_SUBMIT_DIR": str(ROOT), "FARSKIP_ROUTER_PYTHON": sys.executable,
+           "JOB_RESTARTS": "0",  # one round of steps (test_slurm_supervisor has the restarts)
            "API_KEY": TEST_API_KEY, "ADMIN_API_KEY": ADMIN_TEST_KEY, "MODEL_PATH": "/models/DeepSeek-V3-FarSkip",
            "NET_IFNAME": "ens8np0", **env}
     proc = run(["bash", str(SBATCH_PD)], env=job, timeout=60)
@@ -938,6 +965,58 @@ def test_slurm_pd_job_runs_each_role_and_the_router(tmp_path, model):
     router = shlex.split(router_check(**steps["router"]["env"]).stdout)
     assert router[router.index("--prefill") + 1:][:2] == ["http://10.0.0.1:31000", "9100"]
     assert steps["prefill"]["env"]["BOOTSTRAP_PORT"] == "9100" and steps["decode"]["env"]["MASTER_ADDR"] == "10.0.0.2"
+
+
+# Per round of steps, the status every srun of the round ends with; JOB_RESTARTS; what the job
+# must do: (exit status, rounds run).
+SUPERVISOR_CASES = {
+    "killed, then refused": ([137, 0, 2], "3", (2, 3)),
+    "watchdog gave up": ([71], "3", (71, 1)),
+    "refused at once": ([2], "3", (2, 1)),
+    "killed past the bound": ([137] * 5, "2", (137, 3)),
+    "never restarted": ([143], "0", (143, 1)),
+}
+
+
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_PD], ids=lambda p: p.name)
+@pytest.mark.parametrize("case", sorted(SUPERVISOR_CASES))
+def test_slurm_supervisor(tmp_path, script, case):
+    """The batch script is the steps' supervisor: a step that ended other than with 2 or 71 (a
+    node's processes killed from outside: srun's 137) is started again, up to JOB_RESTARTS
+    times; 2 (a refused setting) and 71 (a watchdog gave up) end the job with that status."""
+    statuses, restarts, (want_status, want_rounds) = SUPERVISOR_CASES[case]
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    calls.mkdir()
+    nodes = "3" if script == SBATCH_PD else "2"
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\nfor n in $(seq {nodes}); do echo node$n; done\n")
+    # The step that ends a round (the two-node one: decode in PD) takes the next call number
+    # (exclusive create) and ends with its round's status; the other steps wait to be stopped.
+    (bin_dir / "srun").write_text(f"""#!{sys.executable}
+import os, sys, time
+if "--nodes=2" not in sys.argv:
+    time.sleep(60)
+i = 0
+while True:
+    try:
+        os.close(os.open(os.path.join({str(calls)!r}, str(i)), os.O_CREAT | os.O_EXCL))
+        break
+    except FileExistsError:
+        i += 1
+statuses = {statuses!r}
+sys.exit(statuses[min(i, len(statuses) - 1)])
+""")
+    for name in ("scontrol", "srun"):
+        (bin_dir / name).chmod(0o755)
+    job = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": f"node[1-{nodes}]",
+           "SLURM_JOB_NUM_NODES": nodes, "SLURM_SUBMIT_DIR": str(ROOT), "FARSKIP_ROUTER_PYTHON": sys.executable,
+           "JOB_RESTARTS": restarts}
+    proc = run(["bash", str(script)], env=job, timeout=60)
+    rounds = len(list(calls.iterdir()))
+    assert (proc.returncode, rounds) == (want_status, want_rounds), proc.stderr
+    assert proc.stderr.count("again (") == want_rounds - 1, proc.stderr
+    (last,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert ("not starting" in last) == (want_status in (2, 71)) and f"status {want_status}" in last, last
 
 
 def test_slurm_pd_job_refuses_a_wrong_node_count(tmp_path):
@@ -1126,6 +1205,59 @@ def test_entrypoint_serves_without_a_key_on_loopback_or_by_choice(model, overrid
     assert flag(argv, "--host") == overrides.get("HTTP_HOST", "0.0.0.0")
 
 
+PARK_CASES = {  # the server's exit status (None: a setting the entrypoint refuses) -> parked?
+    "refused setting": (None, True),
+    "watchdog gave up": (71, True),
+    "launcher refused": (2, True),
+    "crashed": (3, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARK_CASES))
+def test_entrypoint_parks_on_2_and_71_only(tmp_path, model, case):
+    """PARK_ON_ERROR=1 (compose): on 2 or 71 the entrypoint stays up, healthcheck.sh fails with
+    the error: line, SIGTERM (docker stop) ends it with that status; any other status is its
+    own at once (Docker restarts it). A marker left from before (the container's files survive
+    a restart) is gone at the next start. The server is a stand-in that ends with the status."""
+    status, parks = PARK_CASES[case]
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!{sys.executable}
+import os, sys
+if "sglang_farskip.launch_server" not in sys.argv:  # the entrypoint's own questions
+    os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])
+print("error: the stand-in server ends with {status}", file=sys.stderr)
+sys.exit({status or 0})
+""")
+    fake.chmod(0o755)
+    marker = tmp_path / "farskip-parked"
+    marker.write_text("parked: from an earlier start\n")
+    env = good_env(model, NODE_RANK="0" if status else None, NNODES="1", TP_SIZE="1", EP_SIZE="1",
+                   HTTP_HOST="127.0.0.1", WATCHDOG="0", PARK_ON_ERROR="1", FARSKIP_PLATFORM="cpu",
+                   FARSKIP_PYTHON=str(fake), TMPDIR=str(tmp_path), MASTER_ADDR=None, WORKER_ADDRS=None)
+    proc = subprocess.Popen(["bash", str(ENTRYPOINT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        if not parks:
+            assert proc.wait(timeout=30) == status and not marker.exists()
+            return
+        deadline = time.monotonic() + 30
+        while not (marker.exists() and "exit status" in marker.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        want = status or 2
+        time.sleep(1)
+        assert proc.poll() is None  # parked: up
+        health = run(["bash", str(HEALTHCHECK)], env={"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path)})
+        reason = "NODE_RANK is not set" if status is None else f"the stand-in server ends with {status}"
+        assert health.returncode == 1 and f"exit status {want}" in health.stderr and reason in health.stderr
+        proc.terminate()
+        assert proc.wait(timeout=10) == want
+        assert "error: parked:" in proc.communicate()[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_entrypoint_sets_the_zmq_peer_allowlist(model):
     """SGLang's ZMQ peer allowlist: loopback, this node, node 0 and the other nodes, as IP
     addresses (SGLang parses each with `ipaddress`), and this node's connections pinned to its
@@ -1298,7 +1430,8 @@ def test_entrypoint_bad_dry_run_value_never_starts(model):
 
 
 # ---------------------------------------------------------------- docs, env files, defaults
-SHELL_BUILTIN_VARS = {"BASH_SOURCE", "BASH_REMATCH", "SECONDS", "PATH", "IFS"}
+# TMPDIR: where the parked marker goes (the standard variable; /tmp in the images).
+SHELL_BUILTIN_VARS = {"BASH_SOURCE", "BASH_REMATCH", "SECONDS", "PATH", "IFS", "TMPDIR"}
 
 
 def test_entrypoint_declares_every_variable_it_reads():

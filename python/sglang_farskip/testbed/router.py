@@ -150,7 +150,13 @@ class Router(HttpProcess):
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 seen = self.workers()
-            except (OSError, urllib.error.HTTPError, ValueError, KeyError):
+            except urllib.error.HTTPError as e:
+                if e.code == 401:  # no answer will change: say so now
+                    raise RuntimeError(f"router refuses GET /workers (401) with "
+                                       f"{'the admin key' if self.keys.get('ADMIN_API_KEY') else 'no key'}:\n"
+                                       f"{self.log_tail(10)}") from e
+                seen = []
+            except (OSError, ValueError, KeyError):
                 seen = []
             if len(seen) == self.expected and all(w.get("is_healthy") for w in seen):
                 return self
