@@ -68,7 +68,8 @@ if [[ "$PARK_ON_ERROR" == 1 && "$dry_run" != 1 && "$parked_child" == 0 ]]; then
   "${BASH_SOURCE[0]}" --parked-child "$@" 2>&"$log_fd" &
   child=$!
   # docker stop: SIGTERM reaches this process (Docker's init forwards it), the server must get it.
-  trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT
+  stopping=0
+  trap 'stopping=1; kill -TERM "$child" 2>/dev/null || true' TERM INT
   while :; do
     status=0
     wait "$child" || status=$?
@@ -77,7 +78,8 @@ if [[ "$PARK_ON_ERROR" == 1 && "$dry_run" != 1 && "$parked_child" == 0 ]]; then
   trap - TERM INT
   exec {log_fd}>&-
   wait "$log_reader" 2>/dev/null || true
-  if [[ "$status" != 2 && "$status" != 71 ]]; then exit "$status"; fi
+  # Told to stop: stopped, whatever the status.
+  if [[ "$stopping" == 1 || ("$status" != 2 && "$status" != 71) ]]; then exit "$status"; fi
   case "$status" in
     2) why="a setting was refused" ;;
     71) why="the watchdog gave up after WATCHDOG_RESTARTS failed starts" ;;

@@ -19,7 +19,9 @@ control-plane keys the router opens that control plane to the inference key: any
 remove the deployment's servers and add its own, and every user's prompt would go there. So an
 API key without an admin key is refused. --healthcheck asks GET /workers (a control-plane
 route, so with the admin key), not /health: in PD mode /health answers 200 before any worker is
-registered. Standard library only (it runs in the router's own Python).
+registered. PARK_ON_ERROR=1 (compose, whose policy restarts every exit): a refused setting parks
+instead of exiting 2, as deploy/entrypoint.sh does (docs/deploy.md, "Self-healing"). Standard
+library only (it runs in the router's own Python).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
 import urllib.error
 import urllib.request
@@ -35,7 +38,8 @@ from pathlib import Path
 
 ROUTER_VARS = ("ROUTER_HOST", "ROUTER_PORT", "WORKER_URLS", "PREFILL_URLS", "DECODE_URLS",
                "BOOTSTRAP_PORT", "ROUTER_REQUEST_TIMEOUT", "API_KEY", "API_KEY_FILE",
-               "ADMIN_API_KEY", "ADMIN_API_KEY_FILE", "FARSKIP_ALLOW_NO_API_KEY", "ROUTER_EXTRA_ARGS")
+               "ADMIN_API_KEY", "ADMIN_API_KEY_FILE", "FARSKIP_ALLOW_NO_API_KEY", "ROUTER_EXTRA_ARGS",
+               "PARK_ON_ERROR")
 DEFAULTS = {
     "ROUTER_HOST": "0.0.0.0",
     "ROUTER_PORT": "8000",
@@ -46,6 +50,7 @@ DEFAULTS = {
     # first token + max_tokens x inter-token latency: 4000 tokens at 50 ms are 200 s).
     "ROUTER_REQUEST_TIMEOUT": "600",
     "FARSKIP_ALLOW_NO_API_KEY": "0",
+    "PARK_ON_ERROR": "0",
 }
 ROUTER_ARGS = Path(__file__).resolve().with_name("router.args")
 URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}$")
@@ -111,6 +116,9 @@ def check() -> tuple[list[str], str, str, list[str]]:
         if bad:
             errors.append(f"{name}: {' '.join(bad)} is not http://HOST:PORT: give each server's HTTP "
                           "address as the router reaches it, comma-separated")
+    if setting("PARK_ON_ERROR") not in ("0", "1"):
+        errors.append(f"PARK_ON_ERROR={setting('PARK_ON_ERROR')} is not 0 or 1: set it to 1 only under a "
+                      "restart policy that restarts every exit (compose's unless-stopped)")
     allow = setting("FARSKIP_ALLOW_NO_API_KEY")
     if allow not in ("0", "1"):
         errors.append(f"FARSKIP_ALLOW_NO_API_KEY={allow} is not 0 or 1: set it to 1 only to serve without API_KEY beyond loopback")
@@ -151,8 +159,30 @@ def check() -> tuple[list[str], str, str, list[str]]:
     return flags, key, admin_key, errors
 
 
+def parked_file() -> Path:
+    """Where a parked router says why (the entrypoint's marker, deploy/healthcheck.sh's path)."""
+    return Path(os.environ.get("TMPDIR") or "/tmp") / "farskip-parked"
+
+
+def park(errors: list[str]) -> int:
+    """Stay up, doing nothing, until told to stop (then exit 2): so that a restart policy that
+    restarts every exit does not start a refused setting again and again."""
+    parked_file().write_text("parked: exit status 2, a setting was refused:\n"
+                             + "".join(f"error: {e}\n" for e in errors))
+    print("error: parked: the router stopped with status 2 (a setting was refused; the error: line above "
+          "says why); the container stays up and unhealthy so that Docker does not start it again; fix the "
+          "cause, then docker compose up -d --force-recreate", file=sys.stderr, flush=True)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: sys.exit(2))
+    while True:
+        signal.pause()
+
+
 def healthcheck() -> int:
     """0 when /workers lists every worker given, each healthy."""
+    if parked_file().exists():
+        print(parked_file().read_text(), file=sys.stderr, end="")
+        return 1
     errors: list[str] = []
     # /workers is a control-plane route: the admin key when the router has one.
     key = read_key(errors, "ADMIN_API_KEY") or read_key(errors)
@@ -178,10 +208,12 @@ def main(argv: list[str]) -> int:
     if argv and argv != ["--check"]:
         print(f"usage: router.py [--check | --healthcheck] (reads {' '.join(ROUTER_VARS)})", file=sys.stderr)
         return 2
+    if not argv:
+        parked_file().unlink(missing_ok=True)  # a container that Docker restarts keeps its files
     flags, key, admin_key, errors = check()
     if errors:
-        print("\n".join(f"error: {e}" for e in errors), file=sys.stderr)
-        return 2
+        print("\n".join(f"error: {e}" for e in errors), file=sys.stderr, flush=True)
+        return park(errors) if not argv and setting("PARK_ON_ERROR") == "1" else 2
     held = [what for what, k in (("API key", key), ("admin key for the control plane", admin_key)) if k]
     print("sglang-farskip router: " + shlex.join(flags) + (f" ({' and '.join(held)} set, not shown)" if held else ""),
           file=sys.stderr, flush=True)

@@ -237,20 +237,22 @@ def test_compose_loadtest_targets_node0_with_the_bench_locustfile():
 
 
 def test_compose_servers_come_back_and_park():
-    """Every server service: restarted after any death (unless-stopped), parked rather than
-    exited on 2 and 71 (PARK_ON_ERROR=1, fixed: the env file cannot turn it off), so that a
-    refused setting is never started again in a loop."""
+    """Every server and router service: restarted after any death (unless-stopped), parked
+    rather than exited on 2 and 71 (PARK_ON_ERROR=1, fixed: the env file cannot turn it off),
+    so that a refused setting is never started again in a loop."""
     seen = set()
     for env_files, profiles in ((NODE_ENVS[:1], ("rocm", "cuda")), (CPU_NODE_ENVS[:1], ("cpu-nodes",)),
-                                ((), ("cpu",)), (ONE_HOST_ENVS.values(), ("pd-cpu", "replicas-cpu"))):
+                                ((), ("cpu",)), (ONE_HOST_ENVS.values(), ("pd-cpu", "replicas-cpu")),
+                                ((ROUTER_ENV,), ("router",))):
         config = compose_config(VERSIONS, *env_files, extra_env={"COMPOSE_PROFILES": ",".join(profiles),
                                                                  "PARK_ON_ERROR": "0"})
         for name, svc in config["services"].items():
-            if "healthcheck.sh" in " ".join(svc.get("healthcheck", {}).get("test", [])):
+            if re.search(r"healthcheck\.sh|router\.py", " ".join(svc.get("healthcheck", {}).get("test", []))):
                 seen.add(name)
                 assert svc["restart"] == "unless-stopped", name
                 assert svc["environment"]["PARK_ON_ERROR"] == "1", name
-    assert {"farskip-rocm", "farskip-cuda", "farskip-cpu", "demo-cpu", "pd-prefill", "replica-a"} <= seen, seen
+    assert {"farskip-rocm", "farskip-cuda", "farskip-cpu", "demo-cpu", "pd-prefill", "replica-a", "router",
+            "pd-router", "replicas-router"} <= seen, seen
 
 
 def test_parked_marker_is_one_path():
@@ -1641,6 +1643,30 @@ def test_router_rejects(case):
     assert proc.returncode == 2 and proc.stdout == "" and len(errors) == 1, proc.stderr
     assert needle in errors[0]
     assert re.search(r"\b(set|use|unset|give|keep|mount|write)\b", errors[0]), errors[0]
+
+
+def test_router_parks_a_refused_setting(tmp_path):
+    """PARK_ON_ERROR=1 (compose): the refusal's error: line, then the router stays up; its
+    --healthcheck fails with that line; SIGTERM (docker stop) ends it with 2."""
+    env = {"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path), "PARK_ON_ERROR": "1", "API_KEY": TEST_API_KEY}
+    marker = tmp_path / "farskip-parked"
+    proc = subprocess.Popen([sys.executable, str(ROUTER)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert proc.poll() is None
+        health = run([sys.executable, str(ROUTER), "--healthcheck"], env=env)
+        assert health.returncode == 1 and "parked: exit status 2" in health.stderr and "no workers" in health.stderr
+        proc.terminate()
+        assert proc.wait(timeout=10) == 2
+        log = proc.communicate()[1]
+        assert "error: no workers" in log and "error: parked: the router stopped with status 2" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_router_serves_without_a_key_on_loopback_or_by_choice():
