@@ -24,7 +24,7 @@ FARSKIP_ENV_VARS=(
   NET_IFNAME GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA SGLANG_HOST_IP
   DIST_TIMEOUT NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING GPU_MAX_HW_QUEUES
   WATCHDOG WATCHDOG_INTERVAL WATCHDOG_TIMEOUT WATCHDOG_FAILURES WATCHDOG_START_TIMEOUT
-  WATCHDOG_RESTARTS WATCHDOG_BACKOFF
+  WATCHDOG_RESTARTS WATCHDOG_BACKOFF PARK_ON_ERROR
   PD_ROLE BOOTSTRAP_PORT MC_MIN_RPC_PORT MC_MAX_RPC_PORT
   EXTRA_ARGS FARSKIP_PLATFORM FARSKIP_PYTHON FARSKIP_DRY_RUN
 )
@@ -35,10 +35,66 @@ usage() {
 }
 
 dry_run="${FARSKIP_DRY_RUN:-0}"
+parked_child=0
 case "${1:-}" in
   --check) dry_run=1; shift ;;
   -h | --help) usage; exit 0 ;;
+  # The parking parent's own child (below); not for users.
+  --parked-child) parked_child=1; shift ;;
 esac
+
+# ---------------------------------------------------------------- parking (compose)
+# PARK_ON_ERROR=1 (deploy/compose.yaml sets it): this script runs itself as a child and waits;
+# when that child ends with 2 (a refused setting) or 71 (the watchdog gave up), it parks: the
+# container stays up doing nothing, its health check fails with the child's `error:` lines
+# (parked_file, read by deploy/healthcheck.sh), and the log says so. Why: compose restarts a
+# container that dies (`restart: unless-stopped`: killed from the host, the engine restarted,
+# the host rebooted), and no Docker policy can leave out an exit status, so a container that
+# exited 2 or 71 would be started again forever; a parked one is never restarted, because it
+# never exits. `docker stop` ends it with the child's status. Any other status is this
+# container's own (Docker restarts it). Kubernetes and Slurm keep PARK_ON_ERROR=0: their
+# supervisors see the status itself (docs/deploy.md, "Self-healing").
+: "${PARK_ON_ERROR:=0}"
+parked_file="${TMPDIR:-/tmp}/farskip-parked"
+if [[ "$PARK_ON_ERROR" == 1 && "$dry_run" != 1 && "$parked_child" == 0 ]]; then
+  rm -f "$parked_file" # a container that Docker restarts keeps its files
+  errors="$(mktemp)"
+  # The child's stderr goes on to the log as it comes; its `error:` lines are also kept.
+  exec {log_fd}> >(while IFS= read -r line; do
+    printf '%s\n' "$line" >&2
+    if [[ "$line" == error:* ]]; then printf '%s\n' "$line" >>"$errors"; fi
+  done)
+  log_reader=$!
+  "${BASH_SOURCE[0]}" --parked-child "$@" 2>&"$log_fd" &
+  child=$!
+  # docker stop: SIGTERM reaches this process (Docker's init forwards it), the server must get it.
+  stopping=0
+  trap 'stopping=1; kill -TERM "$child" 2>/dev/null || true' TERM INT
+  while :; do
+    status=0
+    wait "$child" || status=$?
+    if ! kill -0 "$child" 2>/dev/null; then break; fi # else a signal woke the wait
+  done
+  trap - TERM INT
+  exec {log_fd}>&-
+  wait "$log_reader" 2>/dev/null || true
+  # Told to stop: stopped, whatever the status.
+  if [[ "$stopping" == 1 || ("$status" != 2 && "$status" != 71) ]]; then exit "$status"; fi
+  case "$status" in
+    2) why="a setting was refused" ;;
+    71) why="the watchdog gave up after WATCHDOG_RESTARTS failed starts" ;;
+  esac
+  { echo "parked: exit status $status, $why:"; cat "$errors"; } >"$parked_file"
+  rm -f "$errors"
+  echo "error: parked: the server stopped with status $status ($why; the error: line above says why); the container stays up and unhealthy so that Docker does not start it again; fix the cause, then docker compose up -d --force-recreate" >&2
+  sleeper=""
+  trap 'if [[ -n "$sleeper" ]]; then kill "$sleeper" 2>/dev/null || true; fi; exit "$status"' TERM INT
+  while :; do
+    sleep 3600 &
+    sleeper=$!
+    wait "$sleeper" || true
+  done
+fi
 
 # ---------------------------------------------------------------- defaults
 # Literal defaults, one per line in this form: the tests compare them with the env files and
@@ -159,6 +215,11 @@ fi
 case "$dry_run" in
   0 | 1) ;;
   *) err "FARSKIP_DRY_RUN=$dry_run is not 0 or 1: set FARSKIP_DRY_RUN=1 to print the command without starting" ;;
+esac
+
+case "$PARK_ON_ERROR" in
+  0 | 1) ;;
+  *) err "PARK_ON_ERROR=$PARK_ON_ERROR is not 0 or 1: set it to 1 only under a restart policy that restarts every exit (compose's unless-stopped)" ;;
 esac
 
 case "$WATCHDOG" in

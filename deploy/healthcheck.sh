@@ -20,6 +20,14 @@ set -euo pipefail
 # The variables read here, all documented with deploy/entrypoint.sh's in docs/deploy.md.
 FARSKIP_HEALTH_VARS=(NODE_RANK HTTP_PORT MASTER_ADDR MASTER_PORT FARSKIP_PYTHON)
 
+# A parked node (deploy/entrypoint.sh, PARK_ON_ERROR=1) is unhealthy, and says why: Docker keeps
+# the output in the container's health log (docker inspect, .State.Health).
+parked="${TMPDIR:-/tmp}/farskip-parked"
+if [[ -f "$parked" ]]; then
+  cat "$parked" >&2
+  exit 1
+fi
+
 rank="${NODE_RANK:-0}"
 http_port="${HTTP_PORT:-30000}"
 get() {

@@ -10,10 +10,18 @@ It reads the environment (docs/deploy.md, "Variables read by deploy/router.py"),
 - plain mode over replicas when WORKER_URLS is set;
 each with the health-check and retry flags of router.args beside this file (the tests read the
 same file).
-The API key: the router's --api-key is both what clients must send it (401 without) and what it
-sends the workers, so it is the workers' API_KEY, and it is given to the router in memory, never
-on a command line. --healthcheck asks GET /workers, not /health: in PD mode /health answers 200
-before any worker is registered. Standard library only (it runs in the router's own Python).
+The keys, each given to the router in memory, never on a command line (ps shows one to every
+user of the host): the router's --api-key is both what clients must send it (401 without) and
+what it sends the workers, so it is the workers' API_KEY; ADMIN_API_KEY is the one admin entry
+of its --control-plane-api-keys, so that its control plane (adding and removing workers,
+flushing caches, listing workers and loads) answers the admin key and nothing else. Without
+control-plane keys the router opens that control plane to the inference key: any client could
+remove the deployment's servers and add its own, and every user's prompt would go there. So an
+API key without an admin key is refused. --healthcheck asks GET /workers (a control-plane
+route, so with the admin key), not /health: in PD mode /health answers 200 before any worker is
+registered. PARK_ON_ERROR=1 (compose, whose policy restarts every exit): a refused setting parks
+instead of exiting 2, as deploy/entrypoint.sh does (docs/deploy.md, "Self-healing"). Standard
+library only (it runs in the router's own Python).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
 import urllib.error
 import urllib.request
@@ -29,7 +38,8 @@ from pathlib import Path
 
 ROUTER_VARS = ("ROUTER_HOST", "ROUTER_PORT", "WORKER_URLS", "PREFILL_URLS", "DECODE_URLS",
                "BOOTSTRAP_PORT", "ROUTER_REQUEST_TIMEOUT", "API_KEY", "API_KEY_FILE",
-               "FARSKIP_ALLOW_NO_API_KEY", "ROUTER_EXTRA_ARGS")
+               "ADMIN_API_KEY", "ADMIN_API_KEY_FILE", "FARSKIP_ALLOW_NO_API_KEY", "ROUTER_EXTRA_ARGS",
+               "PARK_ON_ERROR")
 DEFAULTS = {
     "ROUTER_HOST": "0.0.0.0",
     "ROUTER_PORT": "8000",
@@ -40,6 +50,7 @@ DEFAULTS = {
     # first token + max_tokens x inter-token latency: 4000 tokens at 50 ms are 200 s).
     "ROUTER_REQUEST_TIMEOUT": "600",
     "FARSKIP_ALLOW_NO_API_KEY": "0",
+    "PARK_ON_ERROR": "0",
 }
 ROUTER_ARGS = Path(__file__).resolve().with_name("router.args")
 URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}$")
@@ -60,23 +71,30 @@ def urls(name: str) -> list[str]:
     return [u for u in re.split(r"[\s,]+", setting(name)) if u]
 
 
-def read_key(errors: list[str]) -> str:
-    key, path = os.environ.get("API_KEY", ""), os.environ.get("API_KEY_FILE", "")
+def read_key(errors: list[str], name: str = "API_KEY") -> str:
+    """NAME's value, or the content of the file NAME_FILE names (a Docker or Kubernetes secret)."""
+    key, path = os.environ.get(name, ""), os.environ.get(f"{name}_FILE", "")
     if key and path:
-        errors.append("API_KEY and API_KEY_FILE are both set: keep one (the file, for a Docker or Kubernetes secret)")
+        errors.append(f"{name} and {name}_FILE are both set: keep one (the file, for a Docker or Kubernetes secret)")
     elif path:
         try:
             key = Path(path).read_text().strip()
         except OSError:
-            errors.append(f"API_KEY_FILE={path} is not a readable file: mount the secret there, or unset API_KEY_FILE")
+            errors.append(f"{name}_FILE={path} is not a readable file: mount the secret there, or unset {name}_FILE")
             return ""
         if not key:
-            errors.append(f"API_KEY_FILE={path} is empty: write the key into it")
+            errors.append(f"{name}_FILE={path} is empty: write the key into it")
     return key
 
 
-def check() -> tuple[list[str], str, list[str]]:
-    """(the router's flags, the API key, the errors)."""
+# The one control-plane key the router gets: (id, name, key, role), as sglang_router's
+# RouterArgs holds each --control-plane-api-keys entry once parsed.
+def control_plane_keys(admin_key: str) -> list[tuple[str, str, str, str]]:
+    return [("farskip-admin", "ADMIN_API_KEY", admin_key, "admin")] if admin_key else []
+
+
+def check() -> tuple[list[str], str, str, list[str]]:
+    """(the router's flags, the API key, the admin key, the errors)."""
     errors: list[str] = []
     for name in ("ROUTER_PORT", "BOOTSTRAP_PORT"):
         value = setting(name)
@@ -98,11 +116,14 @@ def check() -> tuple[list[str], str, list[str]]:
         if bad:
             errors.append(f"{name}: {' '.join(bad)} is not http://HOST:PORT: give each server's HTTP "
                           "address as the router reaches it, comma-separated")
+    if setting("PARK_ON_ERROR") not in ("0", "1"):
+        errors.append(f"PARK_ON_ERROR={setting('PARK_ON_ERROR')} is not 0 or 1: set it to 1 only under a "
+                      "restart policy that restarts every exit (compose's unless-stopped)")
     allow = setting("FARSKIP_ALLOW_NO_API_KEY")
     if allow not in ("0", "1"):
         errors.append(f"FARSKIP_ALLOW_NO_API_KEY={allow} is not 0 or 1: set it to 1 only to serve without API_KEY beyond loopback")
     before = len(errors)
-    key = read_key(errors)
+    key, admin_key = read_key(errors), read_key(errors, "ADMIN_API_KEY")
     host = setting("ROUTER_HOST")
     loopback = host.startswith("127.") or host in ("::1", "localhost")
     # Anyone who reaches the router's port could use every server behind it: beyond loopback, a
@@ -111,6 +132,13 @@ def check() -> tuple[list[str], str, list[str]]:
         errors.append(f"API_KEY is not set and the router would listen on ROUTER_HOST={host}: set API_KEY or "
                       "API_KEY_FILE (the servers' key; clients send 'Authorization: Bearer <key>'), or set "
                       "FARSKIP_ALLOW_NO_API_KEY=1 to serve without a key, or ROUTER_HOST=127.0.0.1")
+    if len(errors) == before and key and not admin_key:
+        errors.append("API_KEY is set but ADMIN_API_KEY is not: without it the router's control plane (POST and "
+                      "DELETE /workers, POST /flush_cache) answers the API key, so any client could replace the "
+                      "servers with its own; set ADMIN_API_KEY or ADMIN_API_KEY_FILE (the servers' admin key)")
+    elif len(errors) == before and key and admin_key == key:
+        errors.append("ADMIN_API_KEY is the same as API_KEY: every client would hold the router's control plane; "
+                      "give the admin key its own value (openssl rand -hex 32)")
     extra = shlex.split(setting("ROUTER_EXTRA_ARGS"))
     if any(a.startswith(("--api-key", "--control-plane-api-keys")) for a in extra):
         errors.append("ROUTER_EXTRA_ARGS holds an API key flag, which shows on the command line: set API_KEY "
@@ -128,13 +156,36 @@ def check() -> tuple[list[str], str, list[str]]:
         for url in decode:
             flags += ["--decode", url]
     flags += [*router_args(), "--request-timeout-secs", timeout, *extra]
-    return flags, key, errors
+    return flags, key, admin_key, errors
+
+
+def parked_file() -> Path:
+    """Where a parked router says why (the entrypoint's marker, deploy/healthcheck.sh's path)."""
+    return Path(os.environ.get("TMPDIR") or "/tmp") / "farskip-parked"
+
+
+def park(errors: list[str]) -> int:
+    """Stay up, doing nothing, until told to stop (then exit 2): so that a restart policy that
+    restarts every exit does not start a refused setting again and again."""
+    parked_file().write_text("parked: exit status 2, a setting was refused:\n"
+                             + "".join(f"error: {e}\n" for e in errors))
+    print("error: parked: the router stopped with status 2 (a setting was refused; the error: line above "
+          "says why); the container stays up and unhealthy so that Docker does not start it again; fix the "
+          "cause, then docker compose up -d --force-recreate", file=sys.stderr, flush=True)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: sys.exit(2))
+    while True:
+        signal.pause()
 
 
 def healthcheck() -> int:
     """0 when /workers lists every worker given, each healthy."""
+    if parked_file().exists():
+        print(parked_file().read_text(), file=sys.stderr, end="")
+        return 1
     errors: list[str] = []
-    key = read_key(errors)
+    # /workers is a control-plane route: the admin key when the router has one.
+    key = read_key(errors, "ADMIN_API_KEY") or read_key(errors)
     expected = len(urls("WORKER_URLS")) + len(urls("PREFILL_URLS")) + len(urls("DECODE_URLS"))
     req = urllib.request.Request(f"http://127.0.0.1:{setting('ROUTER_PORT')}/workers",
                                  headers={"Authorization": f"Bearer {key}"} if key else {})
@@ -157,21 +208,25 @@ def main(argv: list[str]) -> int:
     if argv and argv != ["--check"]:
         print(f"usage: router.py [--check | --healthcheck] (reads {' '.join(ROUTER_VARS)})", file=sys.stderr)
         return 2
-    flags, key, errors = check()
+    if not argv:
+        parked_file().unlink(missing_ok=True)  # a container that Docker restarts keeps its files
+    flags, key, admin_key, errors = check()
     if errors:
-        print("\n".join(f"error: {e}" for e in errors), file=sys.stderr)
-        return 2
-    print("sglang-farskip router: " + shlex.join(flags) + (" (API key set, not shown)" if key else ""),
+        print("\n".join(f"error: {e}" for e in errors), file=sys.stderr, flush=True)
+        return park(errors) if not argv and setting("PARK_ON_ERROR") == "1" else 2
+    held = [what for what, k in (("API key", key), ("admin key for the control plane", admin_key)) if k]
+    print("sglang-farskip router: " + shlex.join(flags) + (f" ({' and '.join(held)} set, not shown)" if held else ""),
           file=sys.stderr, flush=True)
     if argv == ["--check"]:
         print(shlex.join(flags))
         return 0
-    for name in ("API_KEY", "API_KEY_FILE"):  # nothing the router starts needs them
+    for name in ("API_KEY", "API_KEY_FILE", "ADMIN_API_KEY", "ADMIN_API_KEY_FILE"):  # nothing the router starts needs them
         os.environ.pop(name, None)
     from sglang_router.launch_router import launch_router, parse_router_args
 
     args = parse_router_args(flags)
     args.api_key = key or None
+    args.control_plane_api_keys = control_plane_keys(admin_key)
     launch_router(args)
     return 0
 

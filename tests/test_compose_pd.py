@@ -7,7 +7,8 @@ router's published port, float32).
 - pd-cpu: `docker compose up` of the prefill server (TP=2), the decode server as two node
   containers (TP=2 across them) and SGLang's router in PD mode; the test waits on the router's
   `/workers` (its `/health` is 200 before any worker is registered), then through the router:
-  401 without the key, greedy ids and logprobs of `/generate` against reference.py, a
+  401 without the key, the router's control plane (`/workers`, `/flush_cache`) 401 with the
+  inference key and open to the admin key, greedy ids and logprobs of `/generate` against reference.py, a
   `/v1/completions` answered in full; each server's `/farskip/info` reports the FarSkip model
   and its `pd_role`, and the decode server ran no prefill batch (its KV came over Mooncake).
 - replicas-cpu: two demo servers behind the router in plain mode (deploy/router.args):
@@ -37,6 +38,8 @@ from sglang_farskip.tools.demo_model import ensure_demo_checkpoint
 pytestmark = [SKIP, pytest.mark.timeout(1800)]
 
 API_KEY = "farskip-test-router-key"
+# The servers' admin key, and the one key the router's control plane answers (deploy/router.py).
+ADMIN_API_KEY = "farskip-test-router-admin-key"
 # Four rank processes starting side by side on two cores, each compiling SGLang's CPU MoE
 # top-k with inductor at its first forward (as users run it): minutes, not seconds.
 START_TIMEOUT_S = 600
@@ -61,7 +64,8 @@ class Stack(Project):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__(name, {"FARSKIP_IMAGE": images["cpu"], "ROUTER_IMAGE": images["router"],
-                                "API_KEY": API_KEY, "ROUTER_PUBLISH": f"127.0.0.1:{self.port}",
+                                "API_KEY": API_KEY, "ADMIN_API_KEY": ADMIN_API_KEY,
+                                "ROUTER_PUBLISH": f"127.0.0.1:{self.port}",
                                 "EXTRA_ARGS": "--dtype float32"},
                          env_files=(DEPLOY / env_file,))
 
@@ -76,7 +80,7 @@ class Stack(Project):
             if exited:
                 raise AssertionError(f"{self.name}: {exited} exited:\n{self.logs()}")
             try:  # the router's port answers once its container runs
-                status, raw = http(self.url + "/workers", key=API_KEY, timeout=10)
+                status, raw = http(self.url + "/workers", key=ADMIN_API_KEY, timeout=10)
             except OSError:
                 status, raw = 0, b""
             if status == 200:
@@ -99,7 +103,7 @@ class Stack(Project):
 
     def healthy(self) -> dict[str, bool]:
         """Each worker's URL, as the router names it, and whether the router counts it healthy."""
-        status, raw = http(self.url + "/workers", key=API_KEY, timeout=10)
+        status, raw = http(self.url + "/workers", key=ADMIN_API_KEY, timeout=10)
         assert status == 200, raw[:500]
         return {w["url"]: w["is_healthy"] for w in json.loads(raw)["workers"]}
 
@@ -158,6 +162,9 @@ def pd(request, images):
 
 def test_pd_profile_serves_through_the_router(request, pd, reference):
     assert http(pd.url + "/generate", {"input_ids": PROMPT_IDS})[0] == 401  # the key, at the router
+    # The control plane answers the admin key alone (tests/control_plane.py has the whole check).
+    assert http(pd.url + "/workers", key=API_KEY)[0] == 401
+    assert http(pd.url + "/flush_cache", {}, key=API_KEY)[0] == 401
     worst = assert_reference(generate(pd.url), reference)
     report(request, f"pd-cpu: greedy ids = reference's, max |logprob - reference| {worst:.1e}")
     body = {"model": "farskip-demo", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,

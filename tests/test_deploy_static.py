@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,7 +198,8 @@ def test_compose_gpu_service(platform, rank):
     assert int(svc["shm_size"]) >= 16 * 2**30
     assert svc["ulimits"]["memlock"] == -1
     assert svc["healthcheck"]["test"] == ["CMD", "/opt/sglang-farskip/deploy/healthcheck.sh"]
-    assert svc["restart"] == "no"  # the watchdog restarts inside: docs/deploy.md, Self-healing
+    # Back after any death, parked on 2 and 71: docs/deploy.md, Self-healing.
+    assert svc["restart"] == "unless-stopped" and svc["environment"]["PARK_ON_ERROR"] == "1"
     if platform == "rocm":
         assert {d["source"] for d in svc["devices"]} == {"/dev/kfd", "/dev/dri"}
         assert "video" in svc["group_add"]
@@ -232,6 +234,32 @@ def test_compose_loadtest_targets_node0_with_the_bench_locustfile():
     own = set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', (ROOT / "bench" / "locustfile.py").read_text()))
     passed = {a for a in command if a.startswith("--")}
     assert passed - locust_flags <= own, f"not defined by bench/locustfile.py: {passed - locust_flags - own}"
+
+
+def test_compose_servers_come_back_and_park():
+    """Every server and router service: restarted after any death (unless-stopped), parked
+    rather than exited on 2 and 71 (PARK_ON_ERROR=1, fixed: the env file cannot turn it off),
+    so that a refused setting is never started again in a loop."""
+    seen = set()
+    for env_files, profiles in ((NODE_ENVS[:1], ("rocm", "cuda")), (CPU_NODE_ENVS[:1], ("cpu-nodes",)),
+                                ((), ("cpu",)), (ONE_HOST_ENVS.values(), ("pd-cpu", "replicas-cpu")),
+                                ((ROUTER_ENV,), ("router",))):
+        config = compose_config(VERSIONS, *env_files, extra_env={"COMPOSE_PROFILES": ",".join(profiles),
+                                                                 "PARK_ON_ERROR": "0"})
+        for name, svc in config["services"].items():
+            if re.search(r"healthcheck\.sh|router\.py", " ".join(svc.get("healthcheck", {}).get("test", []))):
+                seen.add(name)
+                assert svc["restart"] == "unless-stopped", name
+                assert svc["environment"]["PARK_ON_ERROR"] == "1", name
+    assert {"farskip-rocm", "farskip-cuda", "farskip-cpu", "demo-cpu", "pd-prefill", "replica-a", "router",
+            "pd-router", "replicas-router"} <= seen, seen
+
+
+def test_parked_marker_is_one_path():
+    """The entrypoint writes the parked marker where deploy/healthcheck.sh reads it."""
+    written = re.search(r'^parked_file="(.+)"$', ENTRYPOINT.read_text(), re.M)
+    read = re.search(r'^parked="(.+)"$', HEALTHCHECK.read_text(), re.M)
+    assert written and read and written[1] == read[1], (written, read)
 
 
 def test_compose_cpu_demo_uses_the_entrypoint_single_node():
@@ -772,15 +800,15 @@ def test_k8s_router_finds_the_pd_servers(model):
     on; its --decode the decode leader's."""
     prefill, decode = pd_lws("prefill"), pd_lws("decode")
     router_env = {**container_env(pod_template(k8s_object("Deployment", "sglang-farskip-router"))),
-                  "API_KEY": TEST_API_KEY}
+                  "API_KEY": TEST_API_KEY, "ADMIN_API_KEY": ADMIN_TEST_KEY}
     assert_pd_wiring(router_env, pd_leader_command(prefill, model), pd_leader_command(decode, model),
                      *(f"{d['metadata']['name']}-0.{d['metadata']['name']}" for d in (prefill, decode)))
 
 
 def test_k8s_router_deployment():
     """Ready on the router's /workers (as compose's healthcheck), alive on /health; one port
-    across the env, the container, the Service and the NetworkPolicy; the servers' API_KEY from
-    the Secret, and no admin key."""
+    across the env, the container, the Service and the NetworkPolicy; the servers' API_KEY and
+    ADMIN_API_KEY (its control plane's key) from the Secret."""
     deployment = k8s_object("Deployment", "sglang-farskip-router")
     template = pod_template(deployment)
     (container,) = template["spec"]["containers"]
@@ -804,8 +832,10 @@ def test_k8s_router_deployment():
     secrets = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in container["env"] if "secretKeyRef" in v.get("valueFrom", {})}
     assert {n: (s["name"], s["key"]) for n, s in secrets.items()} == {
         "API_KEY": ("sglang-farskip-api-key", "API_KEY"),
+        # Its control plane's one key (deploy/router.py refuses API_KEY without it).
+        "ADMIN_API_KEY": ("sglang-farskip-api-key", "ADMIN_API_KEY"),
         "FARSKIP_ALLOW_NO_API_KEY": ("sglang-farskip-api-key", "FARSKIP_ALLOW_NO_API_KEY")}
-    assert "envFrom" not in container  # so never the servers' ADMIN_API_KEY
+    assert "envFrom" not in container  # the keys by name, nothing else of the Secret
 
 
 def test_k8s_pd_network_policy():
@@ -886,7 +916,9 @@ while len([n for n in os.listdir(log) if n.endswith(".json")]) < 3 and time.time
         (bin_dir / tool_).chmod(0o755)
     job = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-3]",
            "SLURM_JOB_NUM_NODES": "3", "SLURM_SUBMIT_DIR": str(ROOT), "FARSKIP_ROUTER_PYTHON": sys.executable,
-           "API_KEY": TEST_API_KEY, "MODEL_PATH": "/models/DeepSeek-V3-FarSkip", "NET_IFNAME": "ens8np0", **env}
+           "JOB_RESTARTS": "0",  # one round of steps (test_slurm_supervisor has the restarts)
+           "API_KEY": TEST_API_KEY, "ADMIN_API_KEY": ADMIN_TEST_KEY, "MODEL_PATH": "/models/DeepSeek-V3-FarSkip",
+           "NET_IFNAME": "ens8np0", **env}
     proc = run(["bash", str(SBATCH_PD)], env=job, timeout=60)
     steps = {}
     for record in log.glob("*.json"):
@@ -904,7 +936,8 @@ def test_slurm_pd_job_runs_each_role_and_the_router(tmp_path, model):
     with --kill-on-bad-exit; the first step to end ends the job, as a failure."""
     proc, steps = run_sbatch_pd(tmp_path, ADMIN_API_KEY=ADMIN_TEST_KEY)
     assert set(steps) == {"prefill", "decode", "router"}, (steps.keys(), proc.stderr)
-    assert steps["prefill"]["env"]["ADMIN_API_KEY"] == ADMIN_TEST_KEY and "ADMIN_API_KEY" not in steps["router"]["env"]
+    # The router's control plane answers the admin key alone (deploy/router.py).
+    assert steps["prefill"]["env"]["ADMIN_API_KEY"] == steps["router"]["env"]["ADMIN_API_KEY"] == ADMIN_TEST_KEY
     assert proc.returncode == 1 and "stopping the others" in proc.stderr, proc.stderr
     for step in steps.values():
         assert "--kill-on-bad-exit=1" in step["argv"] and "--ntasks-per-node=1" in step["argv"]
@@ -934,6 +967,58 @@ def test_slurm_pd_job_runs_each_role_and_the_router(tmp_path, model):
     router = shlex.split(router_check(**steps["router"]["env"]).stdout)
     assert router[router.index("--prefill") + 1:][:2] == ["http://10.0.0.1:31000", "9100"]
     assert steps["prefill"]["env"]["BOOTSTRAP_PORT"] == "9100" and steps["decode"]["env"]["MASTER_ADDR"] == "10.0.0.2"
+
+
+# Per round of steps, the status every srun of the round ends with; JOB_RESTARTS; what the job
+# must do: (exit status, rounds run).
+SUPERVISOR_CASES = {
+    "killed, then refused": ([137, 0, 2], "3", (2, 3)),
+    "watchdog gave up": ([71], "3", (71, 1)),
+    "refused at once": ([2], "3", (2, 1)),
+    "killed past the bound": ([137] * 5, "2", (137, 3)),
+    "never restarted": ([143], "0", (143, 1)),
+}
+
+
+@pytest.mark.parametrize("script", [SBATCH, SBATCH_PD], ids=lambda p: p.name)
+@pytest.mark.parametrize("case", sorted(SUPERVISOR_CASES))
+def test_slurm_supervisor(tmp_path, script, case):
+    """The batch script is the steps' supervisor: a step that ended other than with 2 or 71 (a
+    node's processes killed from outside: srun's 137) is started again, up to JOB_RESTARTS
+    times; 2 (a refused setting) and 71 (a watchdog gave up) end the job with that status."""
+    statuses, restarts, (want_status, want_rounds) = SUPERVISOR_CASES[case]
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    calls.mkdir()
+    nodes = "3" if script == SBATCH_PD else "2"
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\nfor n in $(seq {nodes}); do echo node$n; done\n")
+    # The step that ends a round (the two-node one: decode in PD) takes the next call number
+    # (exclusive create) and ends with its round's status; the other steps wait to be stopped.
+    (bin_dir / "srun").write_text(f"""#!{sys.executable}
+import os, sys, time
+if "--nodes=2" not in sys.argv:
+    time.sleep(60)
+i = 0
+while True:
+    try:
+        os.close(os.open(os.path.join({str(calls)!r}, str(i)), os.O_CREAT | os.O_EXCL))
+        break
+    except FileExistsError:
+        i += 1
+statuses = {statuses!r}
+sys.exit(statuses[min(i, len(statuses) - 1)])
+""")
+    for name in ("scontrol", "srun"):
+        (bin_dir / name).chmod(0o755)
+    job = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": f"node[1-{nodes}]",
+           "SLURM_JOB_NUM_NODES": nodes, "SLURM_SUBMIT_DIR": str(ROOT), "FARSKIP_ROUTER_PYTHON": sys.executable,
+           "JOB_RESTARTS": restarts}
+    proc = run(["bash", str(script)], env=job, timeout=60)
+    rounds = len(list(calls.iterdir()))
+    assert (proc.returncode, rounds) == (want_status, want_rounds), proc.stderr
+    assert proc.stderr.count("again (") == want_rounds - 1, proc.stderr
+    (last,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert ("not starting" in last) == (want_status in (2, 71)) and f"status {want_status}" in last, last
 
 
 def test_slurm_pd_job_refuses_a_wrong_node_count(tmp_path):
@@ -1122,6 +1207,59 @@ def test_entrypoint_serves_without_a_key_on_loopback_or_by_choice(model, overrid
     assert flag(argv, "--host") == overrides.get("HTTP_HOST", "0.0.0.0")
 
 
+PARK_CASES = {  # the server's exit status (None: a setting the entrypoint refuses) -> parked?
+    "refused setting": (None, True),
+    "watchdog gave up": (71, True),
+    "launcher refused": (2, True),
+    "crashed": (3, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARK_CASES))
+def test_entrypoint_parks_on_2_and_71_only(tmp_path, model, case):
+    """PARK_ON_ERROR=1 (compose): on 2 or 71 the entrypoint stays up, healthcheck.sh fails with
+    the error: line, SIGTERM (docker stop) ends it with that status; any other status is its
+    own at once (Docker restarts it). A marker left from before (the container's files survive
+    a restart) is gone at the next start. The server is a stand-in that ends with the status."""
+    status, parks = PARK_CASES[case]
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!{sys.executable}
+import os, sys
+if "sglang_farskip.launch_server" not in sys.argv:  # the entrypoint's own questions
+    os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])
+print("error: the stand-in server ends with {status}", file=sys.stderr)
+sys.exit({status or 0})
+""")
+    fake.chmod(0o755)
+    marker = tmp_path / "farskip-parked"
+    marker.write_text("parked: from an earlier start\n")
+    env = good_env(model, NODE_RANK="0" if status else None, NNODES="1", TP_SIZE="1", EP_SIZE="1",
+                   HTTP_HOST="127.0.0.1", WATCHDOG="0", PARK_ON_ERROR="1", FARSKIP_PLATFORM="cpu",
+                   FARSKIP_PYTHON=str(fake), TMPDIR=str(tmp_path), MASTER_ADDR=None, WORKER_ADDRS=None)
+    proc = subprocess.Popen(["bash", str(ENTRYPOINT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        if not parks:
+            assert proc.wait(timeout=30) == status and not marker.exists()
+            return
+        deadline = time.monotonic() + 30
+        while not (marker.exists() and "exit status" in marker.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        want = status or 2
+        time.sleep(1)
+        assert proc.poll() is None  # parked: up
+        health = run(["bash", str(HEALTHCHECK)], env={"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path)})
+        reason = "NODE_RANK is not set" if status is None else f"the stand-in server ends with {status}"
+        assert health.returncode == 1 and f"exit status {want}" in health.stderr and reason in health.stderr
+        proc.terminate()
+        assert proc.wait(timeout=10) == want
+        assert "error: parked:" in proc.communicate()[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_entrypoint_sets_the_zmq_peer_allowlist(model):
     """SGLang's ZMQ peer allowlist: loopback, this node, node 0 and the other nodes, as IP
     addresses (SGLang parses each with `ipaddress`), and this node's connections pinned to its
@@ -1294,7 +1432,8 @@ def test_entrypoint_bad_dry_run_value_never_starts(model):
 
 
 # ---------------------------------------------------------------- docs, env files, defaults
-SHELL_BUILTIN_VARS = {"BASH_SOURCE", "BASH_REMATCH", "SECONDS", "PATH", "IFS"}
+# TMPDIR: where the parked marker goes (the standard variable; /tmp in the images).
+SHELL_BUILTIN_VARS = {"BASH_SOURCE", "BASH_REMATCH", "SECONDS", "PATH", "IFS", "TMPDIR"}
 
 
 def test_entrypoint_declares_every_variable_it_reads():
@@ -1377,8 +1516,21 @@ def router_vars() -> list[str]:
     return re.findall(r'"([A-Z][A-Z0-9_]*)"', m[1])
 
 
+def deploy_router():
+    """deploy/router.py as a module (standard library only)."""
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("deploy_router", ROUTER)
+    module = module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def router_check(**env: str) -> subprocess.CompletedProcess:
     return run([sys.executable, str(ROUTER), "--check"], env={"PATH": os.environ["PATH"], **env})
+
+
+ROUTER_KEYS = {"API_KEY": TEST_API_KEY, "ADMIN_API_KEY": ADMIN_TEST_KEY}
 
 
 def assert_pd_wiring(router_env: dict[str, str], prefill_argv: list[str], decode_argv: list[str],
@@ -1410,7 +1562,7 @@ def test_router_builds_pd_and_replica_commands():
     assert "--health-check-interval-secs" in shared and "--retry-max-retries" in shared
     assert ROUTER_FLAGS[-2:] == ["--request-timeout-secs", str(TEST_REQUEST_TIMEOUT_S)]
     proc = router_check(PREFILL_URLS="http://10.0.0.1:30000", DECODE_URLS="http://10.0.0.2:30000,http://10.0.0.3:30000",
-                        API_KEY=TEST_API_KEY, BOOTSTRAP_PORT="9000")
+                        BOOTSTRAP_PORT="9000", **ROUTER_KEYS)
     assert proc.returncode == 0, proc.stderr
     pd = shlex.split(proc.stdout)
     assert pd[pd.index("--prefill"):pd.index("--prefill") + 3] == ["--prefill", "http://10.0.0.1:30000", "9000"]
@@ -1418,16 +1570,18 @@ def test_router_builds_pd_and_replica_commands():
     assert "--pd-disaggregation" in pd and "--worker-urls" not in pd
     assert " ".join(shared) in " ".join(pd)
     assert flag(pd, "--request-timeout-secs") == "600" and flag(pd, "--prometheus-host") == "127.0.0.1"
-    proc = router_check(WORKER_URLS="http://a:30000 http://b:30000", API_KEY=TEST_API_KEY, ROUTER_REQUEST_TIMEOUT="900")
+    proc = router_check(WORKER_URLS="http://a:30000 http://b:30000", ROUTER_REQUEST_TIMEOUT="900", **ROUTER_KEYS)
     plain = shlex.split(proc.stdout)
     assert plain[plain.index("--worker-urls") + 1:][:2] == ["http://a:30000", "http://b:30000"]
     assert " ".join(shared) in " ".join(plain) and flag(plain, "--request-timeout-secs") == "900"
     for out in (proc.stdout + proc.stderr, " ".join(pd)):
         assert TEST_API_KEY not in out and "--api-key" not in out
+        assert ADMIN_TEST_KEY not in out and "--control-plane-api-keys" not in out
 
 
 def test_sglang_router_accepts_the_commands():
-    """The pinned sglang-router (its own venv, .venv-router) parses what deploy/router.py builds."""
+    """The pinned sglang-router (its own venv, .venv-router) parses what deploy/router.py builds,
+    and makes an admin control-plane key of the entry deploy/router.py gives it in memory."""
     python = ROOT / ".venv-router" / "bin" / "python"
     if not python.exists():
         pytest.fail(f"{python} is missing: run scripts/bootstrap.sh (it makes the router's environment)")
@@ -1438,13 +1592,19 @@ for flags in json.loads(sys.argv[1]):
     args = parse_router_args(flags)
     print(json.dumps([args.pd_disaggregation, args.prefill_urls, args.decode_urls, args.worker_urls,
                       args.request_timeout_secs, args.health_check_interval_secs]))
+from sglang_router.router import build_control_plane_auth_config
+auth = build_control_plane_auth_config({"control_plane_api_keys": [tuple(k) for k in json.loads(sys.argv[2])]})
+print(json.dumps([[k.id, k.role == k.role.Admin] for k in auth.api_keys]))
 """
-    commands = [shlex.split(router_check(API_KEY=TEST_API_KEY, **env).stdout) for env in (
+    module = deploy_router()
+    commands = [shlex.split(router_check(**ROUTER_KEYS, **env).stdout) for env in (
         {"PREFILL_URLS": "http://p:30000", "DECODE_URLS": "http://d:30000"},
         {"WORKER_URLS": "http://a:30000,http://b:30000"})]
-    proc = run([str(python), "-c", probe, json.dumps(commands)], timeout=60)
+    keys = module.control_plane_keys(ADMIN_TEST_KEY)
+    proc = run([str(python), "-c", probe, json.dumps(commands), json.dumps(keys)], timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pd, plain = (json.loads(line) for line in proc.stdout.strip().splitlines())
+    pd, plain, control = (json.loads(line) for line in proc.stdout.strip().splitlines())
+    assert control == [["farskip-admin", True]] and keys[0][2] == ADMIN_TEST_KEY
     assert pd[:3] == [True, [["http://p:30000", 8998]], ["http://d:30000"]] and pd[4] == 600
     assert plain[0] is False and plain[3] == ["http://a:30000", "http://b:30000"] and plain[5] == 2
 
@@ -1461,6 +1621,13 @@ ROUTER_ERRORS = {
     "key and key file": ({"API_KEY_FILE": "/etc/hostname"}, "keep one"),
     "key file missing": ({"API_KEY": "", "API_KEY_FILE": "/nonexistent/key"}, "not a readable file"),
     "key in extra args": ({"ROUTER_EXTRA_ARGS": "--api-key x"}, "ROUTER_EXTRA_ARGS"),
+    "control-plane key in extra args": ({"ROUTER_EXTRA_ARGS": "--control-plane-api-keys a:b:admin:c"},
+                                        "ROUTER_EXTRA_ARGS"),
+    # Without it the router's control plane answers the inference key.
+    "API key without admin key": ({"ADMIN_API_KEY": ""}, "ADMIN_API_KEY is not"),
+    "admin key is the API key": ({"ADMIN_API_KEY": TEST_API_KEY}, "same as API_KEY"),
+    "admin key and admin key file": ({"ADMIN_API_KEY_FILE": "/etc/hostname"}, "keep one"),
+    "admin key file missing": ({"ADMIN_API_KEY": "", "ADMIN_API_KEY_FILE": "/nonexistent/key"}, "not a readable file"),
     "allow not 0/1": ({"FARSKIP_ALLOW_NO_API_KEY": "yes"}, "FARSKIP_ALLOW_NO_API_KEY"),
 }
 
@@ -1468,7 +1635,7 @@ ROUTER_ERRORS = {
 @pytest.mark.parametrize("case", sorted(ROUTER_ERRORS))
 def test_router_rejects(case):
     overrides, needle = ROUTER_ERRORS[case]
-    env = {"WORKER_URLS": "http://a:30000", "API_KEY": TEST_API_KEY}
+    env = {"WORKER_URLS": "http://a:30000", **ROUTER_KEYS}
     if "WORKER_URLS" not in overrides and ("PREFILL_URLS" in overrides or case == "no workers"):
         env.pop("WORKER_URLS")
     proc = router_check(**{**env, **overrides})
@@ -1478,17 +1645,37 @@ def test_router_rejects(case):
     assert re.search(r"\b(set|use|unset|give|keep|mount|write)\b", errors[0]), errors[0]
 
 
+def test_router_parks_a_refused_setting(tmp_path):
+    """PARK_ON_ERROR=1 (compose): the refusal's error: line, then the router stays up; its
+    --healthcheck fails with that line; SIGTERM (docker stop) ends it with 2."""
+    env = {"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path), "PARK_ON_ERROR": "1", "API_KEY": TEST_API_KEY}
+    marker = tmp_path / "farskip-parked"
+    proc = subprocess.Popen([sys.executable, str(ROUTER)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert proc.poll() is None
+        health = run([sys.executable, str(ROUTER), "--healthcheck"], env=env)
+        assert health.returncode == 1 and "parked: exit status 2" in health.stderr and "no workers" in health.stderr
+        proc.terminate()
+        assert proc.wait(timeout=10) == 2
+        log = proc.communicate()[1]
+        assert "error: no workers" in log and "error: parked: the router stopped with status 2" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_router_serves_without_a_key_on_loopback_or_by_choice():
     for extra in ({"ROUTER_HOST": "127.0.0.1"}, {"FARSKIP_ALLOW_NO_API_KEY": "1"}):
         assert router_check(WORKER_URLS="http://a:30000", **extra).returncode == 0
 
 
 def test_router_variables_are_documented_and_listed_with_the_defaults():
-    from importlib.util import module_from_spec, spec_from_file_location
-
-    spec = spec_from_file_location("deploy_router", ROUTER)
-    module = module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = deploy_router()
     documented = doc_table("Variables read by deploy/router.py")
     assert set(documented) == set(router_vars())
     active, commented = read_env_file(ROUTER_ENV)

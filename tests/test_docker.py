@@ -24,9 +24,12 @@ What runs (docker compose -f deploy/compose.yaml with the shipped env files):
   gives each its own network namespace and address): greedy ids equal a single-node TP=1 run,
   401 without the API key and 200 with it; self-healing (the restart policy and the watchdog,
   docs/deploy.md): bench/soak.py under load while node 1's server is killed from the host, then
-  node 0's server killed, node 1's schedulers stopped (SIGSTOP) and node 1's container
-  restarted, each followed by both nodes restarting and serving the reference's tokens again
-  within HEAL_BOUND_S; `down` leaves nothing;
+  node 0's server killed, node 1's schedulers stopped (SIGSTOP), node 1's container restarted,
+  and each container in turn killed whole from the host (SIGKILL to its init process: Docker's
+  `restart: unless-stopped` starts it again), each followed by both nodes restarting and
+  serving the reference's tokens again within HEAL_BOUND_S; `down` leaves nothing;
+- a refused setting (HTTP beyond loopback without a key, exit 2) stays down under that policy:
+  the container parks, never restarted, its health check saying why;
 - docker/Dockerfile.cuda and .rocm built on the GPU stand-ins; a stand-in with SGLang 0.5.22,
   and one without Mooncake's transfer engine, each fail the build with the reason.
 
@@ -201,17 +204,38 @@ def test_loadtest_profile_against_the_demo(request, demo, images, tmp_path):
                and 1 <= len(r["itl"]) <= NEW_TOKENS - 1 for r in records)
 
 
-def test_api_beyond_loopback_needs_a_key_or_the_opt_out(images):
+PARKED_WATCH_S = 40  # the health check runs every 15 s (compose.yaml): two of its runs
+
+
+def test_api_beyond_loopback_needs_a_key_and_the_refusal_stays_down(images):
+    """HTTP beyond loopback without a key: refused (exit 2 inside), and under the shipped
+    `restart: unless-stopped` it is not started again: the container parks, up, never restarted,
+    its health check's output the error: line; `docker stop` ends it with the status 2."""
     project = Project("nokey", {"FARSKIP_IMAGE": images["cpu"], "HTTP_HOST": "0.0.0.0",
                                 "API_KEY": "", "HTTP_PORT": str(free_port())}, profiles=("cpu",))
     try:
         project.run("up", "-d", timeout=120)
         cid = project.container("demo-cpu")
-        code = int(sh(["docker", "wait", cid], timeout=120).stdout.strip())
+        deadline = time.monotonic() + PARKED_WATCH_S
+        while time.monotonic() < deadline:
+            st = state(cid)
+            assert st["Status"] == "running" and st["Restarting"] is False, st
+            time.sleep(2)
+        st = state(cid)
+        inspect = json.loads(sh(["docker", "inspect", "--format", "{{json .}}", cid]).stdout)
+        assert inspect["RestartCount"] == 0 and inspect["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"
+        checks = st["Health"]["Log"]
+        assert checks and all(c["ExitCode"] == 1 for c in checks), checks
+        assert "parked: exit status 2" in checks[-1]["Output"] and "FARSKIP_ALLOW_NO_API_KEY=1" in checks[-1]["Output"]
         log = sh(["docker", "logs", cid]).stderr
         errors = [line for line in log.splitlines() if line.startswith("error: ")]
-        assert code == 2 and len(errors) == 1, log
+        assert len(errors) == 2, log  # the refusal, once (never started again), and the parking
         assert "API_KEY" in errors[0] and "FARSKIP_ALLOW_NO_API_KEY=1" in errors[0]
+        assert errors[1].startswith("error: parked: the server stopped with status 2")
+        sh(["docker", "stop", "--time", "10", cid], timeout=60)
+        assert state(cid)["ExitCode"] == 2
+        time.sleep(3)
+        assert state(cid)["Status"] == "exited"  # a stopped container stays stopped
     finally:
         project.down()
 
@@ -310,6 +334,19 @@ def restart(cid: str) -> None:
     sh(["docker", "restart", "--time", "5", cid], timeout=120)
 
 
+def kill(cid: str) -> None:
+    """The container's whole process tree killed from the host, as the OOM killer or an operator
+    would (not `docker kill`, which Docker counts as a deliberate stop and never restarts):
+    SIGKILL to its init, which ends every process of its PID namespace. Docker's restart policy
+    (unless-stopped) must start it again."""
+    before = state(cid)
+    os.kill(before["Pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while state(cid).get("StartedAt") == before["StartedAt"]:
+        assert time.monotonic() < deadline, f"{cid} not started again 60 s after its init was killed"
+        time.sleep(0.5)
+
+
 def launcher_pids(nodes) -> list[int | None]:
     """Each container's running launcher (None between two starts)."""
     pids = []
@@ -322,8 +359,8 @@ def launcher_pids(nodes) -> list[int | None]:
 def wait_serving_again(nodes, url: str, before: list[int | None], reference: dict,
                        since: float) -> float:
     """Seconds from `since` until both nodes run a new server (the watchdog restarts it inside
-    the container, compose's `restart: "no"`) and node 0 gives the reference's greedy ids (a
-    node that never restarted cannot be serving correctly: each fault here breaks the group)."""
+    the container; Docker the container that died) and node 0 gives the reference's greedy ids
+    (a node that never restarted cannot be serving correctly: each fault here breaks the group)."""
     while time.monotonic() - since < HEAL_BOUND_S:
         now = launcher_pids(nodes)
         if all(pid is not None and pid != old for pid, old in zip(now, before)):
@@ -361,7 +398,8 @@ def test_soak_with_node1_crashed_mid_run(request, two_nodes, tmp_path):
 
 
 # Node 1's crash is the soak's fault; repeated runs (FARSKIP_HEAL_REPEATS) time it here too.
-FAULTS = [("crash", 0), ("hang", 1), ("restart", 1)] + ([("crash", 1)] if HEAL_REPEATS > 1 else [])
+FAULTS = [("crash", 0), ("hang", 1), ("restart", 1), ("kill", 1), ("kill", 0)] + (
+    [("crash", 1)] if HEAL_REPEATS > 1 else [])
 
 
 @pytest.mark.parametrize("fault, node", FAULTS)
@@ -374,7 +412,7 @@ def test_two_nodes_heal_themselves(request, two_nodes, reference, fault, node):
         cids = {n.container("farskip-cpu"): n for n in nodes}
         before = launcher_pids(nodes)
         since = time.monotonic()
-        {"crash": crash, "hang": hang, "restart": restart}[fault](list(cids)[node])
+        {"crash": crash, "hang": hang, "restart": restart, "kill": kill}[fault](list(cids)[node])
         took = wait_serving_again(nodes, url, before, reference, since)
         if fault == "hang":  # ended by the watchdog (the container's log spans its restarts)
             proc = sh(["docker", "logs", list(cids)[node]])

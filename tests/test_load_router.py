@@ -1,7 +1,9 @@
 """The load harness (bench/run_load.py) aimed at SGLang's router in PD mode: real prefill and
 decode servers (TP=1 each, the demo model, `--enable-metrics`), the real router, real locust.
 
-What each test proves is in its name. The servers and the router start once (module fixture);
+What each test proves is in its name. The servers and the routers start once (module fixture);
+a third router over the same pair is the deployment's own (deploy/router.py, with an inference
+and an admin key), for the control-plane checks of tests/control_plane.py in PD mode;
 the figures are kept tiny (a few requests of 8 tokens) so that the file takes well under two
 minutes on 2 cores, nearly all of it the servers' start.
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import control_plane
 from proxies import SSEProxy
 from sglang_farskip.loadtest import loadstats
 from sglang_farskip.testbed import pd
@@ -29,17 +32,21 @@ REQUESTS, MAX_TOKENS = 4, 8
 
 @pytest.fixture(scope="module")
 def deployment():
-    """The PD pair, its router, and a second router whose decode worker is reached through a
-    proxy (closed by the test that needs a worker nobody can reach)."""
+    """The PD pair, its router, a second router whose decode worker is reached through a
+    proxy (closed by the test that needs a worker nobody can reach), and a third started as the
+    deployment starts it, with both keys."""
     runs, bootstrap = pd.pd_runs("pd", ["--enable-metrics"], env=ONE_THREAD)
     with side_by_side(runs, serving=pd.serving(runs)) as servers:
         prefill, decode = servers["pd/prefill"], servers["pd/decode0"]
         with SSEProxy(decode.port) as proxy, \
                 pd.router(servers, "pd", bootstrap) as router, \
-                Router([(prefill.url, bootstrap)], [proxy.url]) as proxied:
+                Router([(prefill.url, bootstrap)], [proxy.url]) as proxied, \
+                pd.router(servers, "pd", bootstrap, keys=control_plane.KEYS) as keyed:
             router.wait_ready()
             proxied.wait_ready()
-            yield {"prefill": prefill, "decode": decode, "router": router, "proxy": proxy, "proxied": proxied}
+            keyed.wait_ready()
+            yield {"prefill": prefill, "decode": decode, "router": router, "proxy": proxy, "proxied": proxied,
+                   "keyed": keyed, "bootstrap": bootstrap}
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +145,13 @@ def test_worker_nobody_can_reach_is_one_clear_error(deployment, tmp_path):
     assert f"decode worker: cannot reach the server at {proxy.url}" in line
     assert f"the router at {proxied.url} lists it" in line
     assert not (Path(tmp_path) / "results.json").exists()
+
+
+def test_pd_router_control_plane_refuses_the_inference_key(deployment):
+    control_plane.inference_key_cannot_steer(deployment["keyed"])
+
+
+def test_pd_router_control_plane_answers_the_admin_key(deployment):
+    control_plane.admin_key_manages_the_fleet(
+        deployment["keyed"], {"url": deployment["prefill"].url, "worker_type": "prefill",
+                              "bootstrap_port": deployment["bootstrap"]})

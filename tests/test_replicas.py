@@ -11,6 +11,10 @@ bench/soak.py's constant non-streaming load through the router while a replica f
   is the missing `data: [DONE]` and finish_reason; the test checks that the cut is seen that
   way, and a change in the router's behaviour (an error event, a reset) passes too.
 
+Before the faults, a second router over the same replicas, started as the deployment starts it
+(deploy/router.py, with an inference and an admin key), gets the control-plane checks of
+tests/control_plane.py in plain mode.
+
 Three replicas, not two, so that each fault leaves one serving without a restart in between
 (a CPU start here is 25-45 s). The faults run in order, each on what the last one left.
 """
@@ -27,6 +31,7 @@ import time
 
 import pytest
 
+import control_plane
 from sglang_farskip.testbed import REPO
 from sglang_farskip.testbed.router import Router
 from sglang_farskip.testbed.servers import side_by_side
@@ -44,6 +49,23 @@ def replicas():
         with Router(workers=[s.url for s in servers.values()]) as router:
             router.wait_ready()
             yield servers, router
+
+
+@pytest.fixture(scope="module")
+def keyed(replicas):
+    """The deployment's router (both keys) over the same replicas, before any fault."""
+    servers, _ = replicas
+    with Router(workers=[s.url for s in servers.values()], keys=control_plane.KEYS) as router:
+        yield router.wait_ready()
+
+
+def test_router_control_plane_refuses_the_inference_key(keyed):
+    control_plane.inference_key_cannot_steer(keyed)
+
+
+def test_router_control_plane_answers_the_admin_key(keyed, replicas):
+    servers, _ = replicas
+    control_plane.admin_key_manages_the_fleet(keyed, {"url": servers["c"].url})
 
 
 def soak(router, fault_cmd: str, tmp_path) -> dict:

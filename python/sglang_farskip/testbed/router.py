@@ -2,6 +2,10 @@
 for tests and benchmarks: started from its own virtual environment, waited for until every
 worker is registered and healthy, always killed with its process tree.
 
+With `keys`, it starts as the router image starts it (deploy/router.py, reading both keys from
+files as from a Docker or Kubernetes secret), so that a test asks the deployment's own router
+what each key may do.
+
 Its own environment (`.venv-router` at the repository root, made by scripts/bootstrap.sh from
 requirements/router.txt), because pip gives it newer web packages (fastapi, uvicorn, unbounded in
 its requirements) than SGLang 0.5.23 is pinned to. Why `/workers` and not `/health`: in PD mode the
@@ -14,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -51,40 +56,90 @@ def _deploy_router():
 # prefill server would wait 300 s for it), is re-sent after 20 s. A benchmark passes a longer
 # one in `extra`, so that no request it times is cut and sent again.
 TEST_REQUEST_TIMEOUT_S = 20
-ROUTER_FLAGS = [*_deploy_router().router_args(), "--request-timeout-secs", str(TEST_REQUEST_TIMEOUT_S)]
+DEPLOY_ROUTER = _deploy_router()
+ROUTER_FLAGS = [*DEPLOY_ROUTER.router_args(), "--request-timeout-secs", str(TEST_REQUEST_TIMEOUT_S)]
 
 
 class Router(HttpProcess):
     """`launch_router --pd-disaggregation` when `prefill` ([(url, bootstrap port)]) and `decode`
     ([url]) are given; plain mode over `workers` ([url], replicas) otherwise; ROUTER_FLAGS in
-    both. `extra` flags come last (argparse keeps the last of a repeated flag)."""
+    both. `extra` flags come last (argparse keeps the last of a repeated flag). `keys`
+    ({"API_KEY": ..., "ADMIN_API_KEY": ...}): through deploy/router.py, each key in a file of
+    its own (API_KEY_FILE, ADMIN_API_KEY_FILE)."""
 
     def __init__(self, prefill: list[tuple[str, int]] = (), decode: list[str] = (), *,
-                 workers: list[str] = (), extra: list[str] = (), log_path: Path | None = None):
+                 workers: list[str] = (), extra: list[str] = (), log_path: Path | None = None,
+                 keys: dict[str, str] | None = None):
         if bool(workers) == bool(prefill or decode):
             raise ValueError("give either workers (plain mode) or prefill and decode (PD mode)")
         port = free_port()
         self.expected = len(prefill) + len(decode) + len(workers)
-        cmd = [str(router_python()), "-m", "sglang_router.launch_router",
-               "--host", "127.0.0.1", "--port", str(port),
-               # Its metrics listener has a fixed default port (29000): one per router.
-               "--prometheus-port", str(free_port())]
-        if workers:
-            cmd += ["--worker-urls", *workers]
-        else:
-            cmd.append("--pd-disaggregation")
-        for url, bootstrap_port in prefill:
-            cmd += ["--prefill", url, str(bootstrap_port)]
-        for url in decode:
-            cmd += ["--decode", url]
-        cmd += [*ROUTER_FLAGS, *extra]
+        self.keys = dict(keys or {})
+        # Its metrics listener has a fixed default port (29000): one per router.
+        metrics = ["--prometheus-port", str(free_port())]
         # Not this process's environment: PYTHONPATH and the like point into SGLang's venv.
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        if keys:
+            cmd, deployed = self._deployed(port, prefill, decode, workers, [*metrics, *extra])
+            # Only what the test gives: a key in the caller's environment would be a second one.
+            env = {k: v for k, v in env.items() if k not in DEPLOY_ROUTER.ROUTER_VARS} | deployed
+        else:
+            cmd = [str(router_python()), "-m", "sglang_router.launch_router",
+                   "--host", "127.0.0.1", "--port", str(port), *metrics]
+            if workers:
+                cmd += ["--worker-urls", *workers]
+            else:
+                cmd.append("--pd-disaggregation")
+            for url, bootstrap_port in prefill:
+                cmd += ["--prefill", url, str(bootstrap_port)]
+            for url in decode:
+                cmd += ["--decode", url]
+            cmd += [*ROUTER_FLAGS, *extra]
         super().__init__(port, cmd, env, log_path or Path(f"/tmp/farskip-test-router-{port}.log"))
 
+    def _deployed(self, port, prefill, decode, workers, extra) -> tuple[list[str], dict]:
+        """deploy/router.py's command and environment: the flags come from the same variables
+        as in the router image, and the keys from files, as from a secret."""
+        bootstrap = {b for _, b in prefill}
+        if len(bootstrap) > 1:
+            raise ValueError("deploy/router.py gives every prefill server one BOOTSTRAP_PORT")
+        self._key_dir = tempfile.TemporaryDirectory(prefix="farskip-router-keys-")
+        env = {"ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port),
+               "ROUTER_REQUEST_TIMEOUT": str(TEST_REQUEST_TIMEOUT_S), "ROUTER_EXTRA_ARGS": " ".join(extra),
+               "WORKER_URLS": ",".join(workers), "PREFILL_URLS": ",".join(u for u, _ in prefill),
+               "DECODE_URLS": ",".join(decode), "BOOTSTRAP_PORT": str(next(iter(bootstrap), ""))}
+        for name, key in self.keys.items():
+            path = Path(self._key_dir.name) / name.lower()
+            path.write_text(key + "\n")
+            env[f"{name}_FILE"] = str(path)
+        return [str(router_python()), str(REPO / "deploy" / "router.py")], env
+
+    def request(self, method: str, path: str, key: str | None = None, body: dict | None = None,
+                timeout: float = 30) -> tuple[int, str]:
+        """(status, body) of one request, with `Authorization: Bearer key` when a key is given;
+        an HTTP error status is an answer, not an exception."""
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(self.url + path, method=method, headers=headers,
+                                     data=None if body is None else json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
     def workers(self) -> list[dict]:
-        with urllib.request.urlopen(self.url + "/workers", timeout=10) as r:
-            return json.loads(r.read())["workers"]
+        """GET /workers: a control-plane route, so with the admin key where there is one."""
+        status, body = self.request("GET", "/workers", self.keys.get("ADMIN_API_KEY"), timeout=10)
+        if status != 200:
+            raise urllib.error.HTTPError(self.url + "/workers", status, body[:200], None, None)
+        return json.loads(body)["workers"]
+
+    def stop(self) -> None:
+        super().stop()
+        if hasattr(self, "_key_dir"):
+            self._key_dir.cleanup()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "Router":
         """Until every worker given is listed and healthy."""
@@ -95,7 +150,13 @@ class Router(HttpProcess):
                 raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 seen = self.workers()
-            except (OSError, urllib.error.HTTPError, ValueError, KeyError):
+            except urllib.error.HTTPError as e:
+                if e.code == 401:  # no answer will change: say so now
+                    raise RuntimeError(f"router refuses GET /workers (401) with "
+                                       f"{'the admin key' if self.keys.get('ADMIN_API_KEY') else 'no key'}:\n"
+                                       f"{self.log_tail(10)}") from e
+                seen = []
+            except (OSError, ValueError, KeyError):
                 seen = []
             if len(seen) == self.expected and all(w.get("is_healthy") for w in seen):
                 return self
