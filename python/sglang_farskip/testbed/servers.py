@@ -171,6 +171,14 @@ class Server(HttpProcess):
             time.sleep(0.5)
         raise TimeoutError(f"no {title} process after {timeout} s:\n{self.log_tail()}")
 
+    def scheduler_pids(self) -> set[int]:
+        """The pids of this server's scheduler processes: a crashed scheduler that a launcher
+        or watchdog replaced shows as a new pid."""
+        import psutil
+
+        return {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)
+                if "sglang::scheduler" in " ".join(p.cmdline())}
+
     def admin(self, path: str, payload: dict | None = None) -> str:
         """POST to an admin route with the testbed's admin key."""
         return admin_post(self.url, path, payload)
