@@ -60,10 +60,6 @@ KNOWN = (
           "upstream: the transcription request reaches the tokenizer with a keyword this model's path does "
           "not take (TypeError: _detect_language), a 500, or with stream=true the connection cut; minimal: "
           'a form {"file": ""}', send=True, kinds=("5xx", "no answer")),
-    Known("rid that is not a string", lambda r: any(isinstance(v, (list, dict)) for v in values(r.body, "rid")),
-          "upstream: the tokenizer manager keys its request table by rid, so a list for one prompt is a TypeError "
-          '(unhashable), a 500, in the HTTP process; minimal: POST /v1/completions {"prompt": "0", "rid": []}',
-          send=True),
     Known("an embedding route on a generation model", lambda r: r.route in EMBEDDING_ROUTES,
           "upstream: the demo serves generation, and SGLang's embedding routes raise on some shapes before "
           'refusing that (a 500): POST /v1/classify {"input": "0", "rid": []} (unhashable list), PUT /classify '

@@ -176,6 +176,16 @@ HOSTILE = {
     "input_embeds": ("/generate", {"input_embeds": [[0.0] * 7], "sampling_params": SMALL}, "input_embeds"),
     "empty input_ids": ("/generate", {"input_ids": [], "sampling_params": SMALL}, "empty"),
     "malformed body": ("/generate", "{not json", ""),
+    # A field SGLang takes as one value or one per prompt of a batch (the fuzzer found the first
+    # ending the server; the list rid was a 500).
+    "return_hidden_states list on one prompt": ("/generate", {"text": "hi", "sampling_params": SMALL,
+                                                              "return_hidden_states": []}, "return_hidden_states: a list"),
+    "rid list on one prompt": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "rid": []},
+                               "rid: a list"),
+    "rid object": ("/generate", {"text": "hi", "sampling_params": SMALL, "rid": {}}, "rid"),  # SGLang's own 400
+    "per-prompt list of the wrong length": ("/generate", {"input_ids": [[1], [2]], "sampling_params": SMALL,
+                                                          "return_logprob": [True]},
+                                            "return_logprob: 1 values for a batch of 2 prompts"),
 }
 
 

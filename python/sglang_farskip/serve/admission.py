@@ -121,6 +121,10 @@ def problems(obj: Any, *, model: Model, limits: Any, names: Optional[dict] = Non
             found.append(f"{name('input_ids')}: token id {fields.shown(bad)} is outside the vocabulary "
                          f"[0, {model.vocab_size})")
             break
+    batch = isinstance(obj.text, list) or bool(token_lists and isinstance(obj.input_ids[0], list))
+    found += fields.per_item_problems(obj, items, batch)
+    if found:
+        return found  # the checks below index the per-item fields by prompt
     overrides = getattr(obj, "positional_embed_overrides", None)
     if overrides is not None:
         found += fields.override_problems(overrides, model.hidden_size)

@@ -28,6 +28,8 @@ Why each bound (SGLang 0.5.23, read at the source):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import typing
 from re import _constants as sre, _parser as sre_parse
@@ -87,6 +89,48 @@ def _as_list(value: Any) -> list:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
+
+
+# The prompt and its media: their list forms also describe one prompt (several images, ...).
+_PROMPT_FIELDS = {"text", "image_data", "video_data", "audio_data"}
+
+
+@functools.lru_cache(maxsize=None)
+def per_item_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """The fields of SGLang's request dataclass `cls` declared `Union[List[T], T]`: one value for
+    the request, or a list of one per prompt of a batch. SGLang checks that list's length for a
+    batch only for some of them, and for a single prompt only for a few (extra_key, cache_salt,
+    kv_hints): `return_hidden_states: []` on one prompt went on to the scheduler and ended it
+    (found by the fuzzer), and a list `rid` is a 500. Each as (name, whether an object is one of
+    its values)."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for field in dataclasses.fields(cls):
+        hint = hints.get(field.name)
+        args = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else ()
+        kinds = [typing.get_origin(a) for a in args if a is not type(None)]
+        if field.name not in _PROMPT_FIELDS and list in kinds and any(k not in (list, dict) for k in kinds):
+            takes_objects = dict in kinds or any(a is dict or typing.get_origin(a) is dict for a in args)
+            found.append((field.name, takes_objects))
+    return tuple(found)
+
+
+def per_item_problems(obj: Any, items: int, batch: bool) -> list[str]:
+    """A per-item field given as a list: none for a single prompt, one per prompt for a batch."""
+    found = []
+    for name, takes_objects in per_item_fields(type(obj)):
+        value = getattr(obj, name, None)
+        if isinstance(value, dict) and not takes_objects:
+            found.append(f"{name}: an object ({shown(value)}): give one value, or a list of one per prompt")
+        if not isinstance(value, list):
+            continue
+        if not batch:
+            found.append(f"{name}: a list ({shown(value)}) for a single prompt: give one value (a list "
+                         "gives one value per prompt of a batch)")
+        elif len(value) != items:
+            found.append(f"{name}: {len(value)} values for a batch of {items} prompts: give one value, "
+                         "or one per prompt")
+    return found
 
 
 def sampling_problems(params: Any, *, limits: Any, vocab_size: int, name: Callable[[str], str]) -> list[str]:
