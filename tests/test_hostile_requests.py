@@ -183,6 +183,7 @@ HOSTILE = {
     "rid list on one prompt": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "rid": []},
                                "rid: a list"),
     "rid object": ("/generate", {"text": "hi", "sampling_params": SMALL, "rid": {}}, "rid"),  # SGLang's own 400
+    "lora_id on a batch (the server sets it)": ("/generate", {"text": ["", ""], "lora_id": "}"}, "lora_id: set by the server"),
     "per-prompt list of the wrong length": ("/generate", {"input_ids": [[1], [2]], "sampling_params": SMALL,
                                                           "return_logprob": [True]},
                                             "return_logprob: 1 values for a batch of 2 prompts"),

@@ -28,6 +28,7 @@ Why each bound (SGLang 0.5.23, read at the source):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -117,7 +118,8 @@ def per_item_fields(cls: type) -> tuple[tuple[str, bool], ...]:
 
 def per_item_problems(obj: Any, items: int, batch: bool) -> list[str]:
     """A per-item field given as a list: none for a single prompt, one per prompt for a batch."""
-    found = []
+    found = [f"{name}: set by the server, not by a client: leave it out"
+             for name in SERVER_SET if getattr(obj, name, None) is not None]
     for name, takes_objects in per_item_fields(type(obj)):
         value = getattr(obj, name, None)
         if isinstance(value, dict) and not takes_objects:
@@ -131,6 +133,30 @@ def per_item_problems(obj: Any, items: int, batch: bool) -> list[str]:
             found.append(f"{name}: {len(value)} values for a batch of {items} prompts: give one value, "
                          "or one per prompt")
     return found
+
+
+# Set by the tokenizer manager, never by a client (io_struct: "should be initialized by
+# tokenizer manager"): a client's `lora_id` string on a batch ended in an IndexError, a 500.
+SERVER_SET = ("lora_id", "http_worker_ipc")
+
+
+def split_problem(obj: Any) -> str | None:
+    """SGLang's own normalization and split of a request into its prompts, tried on a copy. It
+    assumes shapes it does not check (a string `rid` on an embedding batch is an AssertionError,
+    a 500): whatever else it raises there than its own ValueError (a 400 anyway) is the client's
+    request it cannot split, named here instead of a 500."""
+    trial = copy.deepcopy(obj)
+    try:
+        trial.normalize_batch_and_arguments()
+        if isinstance(trial.rid, list):
+            for i in range(len(trial.rid)):
+                trial[i]
+    except ValueError:
+        return None
+    except Exception as e:  # noqa: BLE001 - exactly the unchecked shapes this reports
+        return (f"the request's per-prompt fields do not fit its prompts ({type(e).__name__}: {e}): give "
+                "each such field one value, or a list of one per prompt")
+    return None
 
 
 def sampling_problems(params: Any, *, limits: Any, vocab_size: int, name: Callable[[str], str]) -> list[str]:
