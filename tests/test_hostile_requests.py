@@ -131,6 +131,8 @@ HOSTILE = {
                                                       "logprobs": 1000000}, "logprobs=1000000"),
     "completions token prompt beyond the vocabulary": ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 1000000000],
                                                                            "max_tokens": 2}, "prompt: token id 1000000000"),
+    "completions n past int32": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "n": 2**31},
+                                 "n=2147483648"),  # the fuzzer's; once ended the server (see fields.split_problem)
     "completions n huge": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 100000}, "n=100000"),
     "completions best_of huge": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                      "best_of": 100000}, "best_of=100000"),
@@ -180,6 +182,8 @@ HOSTILE = {
     # ending the server; the list rid was a 500).
     "return_hidden_states list on one prompt": ("/generate", {"text": "hi", "sampling_params": SMALL,
                                                               "return_hidden_states": []}, "return_hidden_states: a list"),
+    "sampling_params list on one prompt": ("/generate", {"text": "hi", "sampling_params": [{}]},
+                                           "sampling_params: a list"),  # the fuzzer's (seed 7): a 500
     "rid list on one prompt": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "rid": []},
                                "rid: a list"),
     "rid object": ("/generate", {"text": "hi", "sampling_params": SMALL, "rid": {}}, "rid"),  # SGLang's own 400

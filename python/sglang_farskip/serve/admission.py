@@ -123,14 +123,14 @@ def problems(obj: Any, *, model: Model, limits: Any, names: Optional[dict] = Non
             break
     batch = isinstance(obj.text, list) or bool(token_lists and isinstance(obj.input_ids[0], list))
     found += fields.per_item_problems(obj, items, batch)
-    if not found:
-        found += [problem] if (problem := fields.split_problem(obj)) else []
     if found:
         return found  # the checks below index the per-item fields by prompt
     overrides = getattr(obj, "positional_embed_overrides", None)
     if overrides is not None:
         found += fields.override_problems(overrides, model.hidden_size)
-    if not hasattr(obj, "top_logprobs_num"):  # an EmbeddingReqInput: no generation
+    if not hasattr(obj, "top_logprobs_num"):  # an EmbeddingReqInput: no generation, no n
+        if not found:
+            found += [problem] if (problem := fields.split_problem(obj)) else []
         return found
 
     params = _per_item(obj.sampling_params or {}, items)
@@ -173,6 +173,10 @@ def problems(obj: Any, *, model: Model, limits: Any, names: Optional[dict] = Non
         total += cost.prompt_cost(prompt, params[i], model.context_len, extras)
     if total > budget:
         found.append(_budget_line(total, budget, name))
+    if not found:
+        # Last, once n and the batch are bounded: SGLang's split expands n x prompts (n = 2**31
+        # first made it build lists of that length, and the server died).
+        found += [problem] if (problem := fields.split_problem(obj)) else []
     return found
 
 
