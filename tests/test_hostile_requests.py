@@ -184,6 +184,8 @@ HOSTILE = {
                                                               "return_hidden_states": []}, "return_hidden_states: a list"),
     "sampling_params list on one prompt": ("/generate", {"text": "hi", "sampling_params": [{}]},
                                            "sampling_params: a list"),  # the fuzzer's (seed 7): a 500
+    "session_params with an unknown key": ("/generate", {"text": "hi", "sampling_params": SMALL,
+                                                         "session_params": {"": None}}, "session_params: unknown key"),
     "rid list on one prompt": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "rid": []},
                                "rid: a list"),
     "rid object": ("/generate", {"text": "hi", "sampling_params": SMALL, "rid": {}}, "rid"),  # SGLang's own 400

@@ -123,6 +123,7 @@ def problems(obj: Any, *, model: Model, limits: Any, names: Optional[dict] = Non
             break
     batch = isinstance(obj.text, list) or bool(token_lists and isinstance(obj.input_ids[0], list))
     found += fields.per_item_problems(obj, items, batch)
+    found += fields.session_problems(getattr(obj, "session_params", None))
     if found:
         return found  # the checks below index the per-item fields by prompt
     overrides = getattr(obj, "positional_embed_overrides", None)

@@ -161,6 +161,25 @@ def split_problem(obj: Any) -> str | None:
     return None
 
 
+def session_problems(session: Any) -> list[str]:
+    """`session_params` becomes `SessionParams(**session_params)` in the tokenizer manager: an
+    unknown key or a value of another type was a 500 (found by the fuzzer: `{"": null}`)."""
+    import msgspec
+    from sglang.srt.managers.io_struct import SessionParams
+
+    if session is None:
+        return []
+    kinds = {f.name: f.type for f in msgspec.structs.fields(SessionParams)}
+    if not isinstance(session, dict):
+        return [f"session_params: {shown(session)}: give an object with {', '.join(kinds)}"]
+    for key, value in session.items():
+        if key not in kinds:
+            return [f"session_params: unknown key {shown(key)}: give only {', '.join(kinds)}"]
+        if not _typed(key, value, kinds[key]):
+            return [f"session_params.{key}={shown(value)}: give {_kind(kinds[key])}"]
+    return []
+
+
 def sampling_problems(params: Any, *, limits: Any, vocab_size: int, name: Callable[[str], str]) -> list[str]:
     """What is wrong with one prompt's sampling parameters (a dict as the client sent it)."""
     if not isinstance(params, dict):
