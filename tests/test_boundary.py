@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from sglang_farskip.boundary import check
+from sglang_farskip.boundary.table import ROWS
 from sglang_farskip.cpu.environment import cpu_base_environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +154,34 @@ def test_the_upgrade_check_names_a_renamed_target(tmp_path):
     assert len(errors) == 1, errors
     assert "TokenizerManager.generate_request" in errors[0]
     assert "sglang_farskip.serve.admission:around_generate" in errors[0]
+
+
+# Our code names SGLang's environment switches as `envs.NAME` or as the string "NAME".
+_ENV_NAME = re.compile(r"\benvs\.([A-Z][A-Z0-9_]+)|[\"']([A-Z][A-Z0-9_]+)[\"']")
+
+
+def env_switches_named(sources) -> set[str]:
+    """The environment switches SGLang defines (sglang.srt.environ.envs) that these sources name."""
+    from sglang.srt.environ import envs
+
+    named = {a or b for path in sources for a, b in _ENV_NAME.findall(path.read_text())}
+    return {name for name in named if hasattr(envs, name)}
+
+
+def test_every_sglang_switch_we_set_or_read_is_a_row(tmp_path):
+    """An SGLang environment switch our code sets (the launcher's environment) or reads (the
+    refusal of SGLANG_RUST_SERVER) is a row, so an SGLang upgrade that drops or renames it is
+    caught by the upgrade check rather than silently ignored. The test bed's and the tools'
+    switches are not the product's boundary."""
+    sources = [p for p in PACKAGE.rglob("*.py") if p.parent.name not in ("testbed", "tools")]
+    rows = {r.target for r in ROWS if r.kind == "env"}
+    named = env_switches_named(sources)
+    assert named - rows == set(), f"switches without a row in boundary/table.csv: {sorted(named - rows)}"
+    assert {"SGLANG_RUST_SERVER", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"} <= named  # it sees both forms
+    # A switch named in a new module without a row is found.
+    planted = tmp_path / "planted.py"
+    planted.write_text("if envs.SGLANG_ENABLE_TORCH_COMPILE.get():\n    pass\n")
+    assert "SGLANG_ENABLE_TORCH_COMPILE" in env_switches_named([*sources, planted]) - rows
 
 
 def test_patches_readme_holds_the_table():

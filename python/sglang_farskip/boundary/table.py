@@ -13,7 +13,8 @@ why. Kinds:
                             its HTTP app's middleware)
     subclass                a method of an SGLang class that a class of ours overrides
     class-swap              an SGLang object whose class is swapped for a subclass of ours
-    env                     an environment switch SGLang reads, set by us
+    env                     an environment switch SGLang reads, set by us ("launcher") or read
+                            by us too ("read": the launcher refuses what it turns on)
     private                 a private SGLang attribute that our code reads
 
 Processes (`when` for the installed kinds): "every" = every SGLang process, at plugin load;
