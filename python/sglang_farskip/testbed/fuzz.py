@@ -298,8 +298,14 @@ def name_of(op) -> str:
 
 # A plain request to each generating route: most drawn bodies are refused on their first odd
 # field, so half of the draws are one of these with at most three drawn fields put in, to reach
-# the scheduler with odd values. "{model}": the server's model name.
+# the scheduler with odd values. "{model}": the server's model name. A route that takes token
+# ids as well as text has a base of each: a drawn `input_ids` put into a text request is refused
+# for giving both, so without an ids base no drawn token id would ever reach the embedding.
 CHAT = [{"role": "user", "content": "hi"}]
+TOKEN_BASES = {
+    "/generate": {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}},
+    "/v1/completions": {"model": "{model}", "prompt": [1, 2, 3], "max_tokens": 4},
+}
 BASES = {
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 4}},
     "/v1/completions": {"model": "{model}", "prompt": "hi", "max_tokens": 4},
@@ -352,9 +358,11 @@ def strategy(op, model: str = "default"):
     positive = op.as_strategy(GenerationMode.POSITIVE)
     base = BASES.get(op.path) if op.method.upper() in ("POST", "PUT") else None
     if base is not None:
-        base = json.loads(json.dumps(base).replace("{model}", model))
-        near = st.tuples(positive, st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), min_size=1, max_size=3)).map(
-            lambda drawn: dataclasses.replace(request(drawn[0]), body=_near(base, drawn[0].body, drawn[1])))
+        bases = [json.loads(json.dumps(b).replace("{model}", model))
+                 for b in (base, TOKEN_BASES.get(op.path)) if b is not None]
+        picks = st.lists(st.tuples(st.booleans(), st.integers(0, 10**6)), min_size=1, max_size=3)
+        near = st.tuples(positive, st.sampled_from(bases), picks).map(
+            lambda drawn: dataclasses.replace(request(drawn[0]), body=_near(drawn[1], drawn[0].body, drawn[2])))
         return st.one_of(near, positive.map(request))
     if op.body:
         # Schemathesis' negative bodies for SGLang's chat request take about a minute per example
