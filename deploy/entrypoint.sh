@@ -256,11 +256,17 @@ read_key() { # read_key NAME VALUE FILE: sets key_NAME from VALUE, or from the f
   fi
   printf -v "key_$name" '%s' "$value"
 }
+# deploy/compose.yaml hands API_KEY and ADMIN_API_KEY over as files, not variables (a variable
+# would stay in docker-init's environment): a file there is the variable's value.
+compose_key() { # compose_key NAME: the value compose wrote for NAME, or nothing
+  local file="/run/secrets/farskip_$1"
+  if [[ -f "$file" ]]; then printf '%s' "$(<"$file")"; fi
+}
 key_API_KEY="" key_ADMIN_API_KEY="" key_unreadable=0 node0=0
 if is_uint "${NODE_RANK:-}" && ((10#$NODE_RANK == 0)); then node0=1; fi
 if ((node0)); then
-  read_key API_KEY "${API_KEY:-}" "${API_KEY_FILE:-}"
-  read_key ADMIN_API_KEY "${ADMIN_API_KEY:-}" "${ADMIN_API_KEY_FILE:-}"
+  read_key API_KEY "${API_KEY:-$(compose_key API_KEY)}" "${API_KEY_FILE:-}"
+  read_key ADMIN_API_KEY "${ADMIN_API_KEY:-$(compose_key ADMIN_API_KEY)}" "${ADMIN_API_KEY_FILE:-}"
 fi
 if ((node0 && loopback == 0 && !key_unreadable)) && [[ -z "$key_API_KEY" && "$FARSKIP_ALLOW_NO_API_KEY" != 1 ]]; then
   err "API_KEY is not set and the API would listen on HTTP_HOST=$HTTP_HOST: set API_KEY or API_KEY_FILE (clients send 'Authorization: Bearer <key>'), or set FARSKIP_ALLOW_NO_API_KEY=1 to serve without a key, or HTTP_HOST=127.0.0.1"
@@ -521,9 +527,9 @@ fi
 # environment (/proc/PID/environ), neither the watchdog's, which lives as long as the
 # deployment and starts the launcher again, nor any server process's. A key given as a file
 # (API_KEY_FILE) is passed by its path; a key given as a value (API_KEY) is written to a file
-# only this user can read, in a directory of its own, for the container's lifetime. (API_KEY
-# itself stays in the environment this script was started with, and so in docker-init's,
-# PID 1's: use API_KEY_FILE, docs/deploy.md "Keys".)
+# only this user can read, in a directory of its own, for the container's lifetime. (A key given
+# as the variable API_KEY stays in the environment this script was started with, and so in
+# PID 1's: compose gives it as a file instead; elsewhere use API_KEY_FILE, docs/deploy.md "Keys".)
 key_to_file() { # key_to_file NAME: exports FARSKIP_NAME_FILE, the file the launcher reads NAME from
   local name=$1 value="key_$1" file="${1}_FILE" path
   if [[ -n "${!file:-}" ]]; then

@@ -71,9 +71,15 @@ def urls(name: str) -> list[str]:
     return [u for u in re.split(r"[\s,]+", setting(name)) if u]
 
 
+# deploy/compose.yaml hands API_KEY and ADMIN_API_KEY over as files, not variables (a variable
+# would stay in docker-init's environment): a file here is the variable's value.
+COMPOSE_SECRETS = Path("/run/secrets")
+
+
 def read_key(errors: list[str], name: str = "API_KEY") -> str:
-    """NAME's value, or the content of the file NAME_FILE names (a Docker or Kubernetes secret)."""
-    key, path = os.environ.get(name, ""), os.environ.get(f"{name}_FILE", "")
+    """NAME's value (the variable, or the file compose wrote for it), or the content of the file
+    NAME_FILE names (a Docker or Kubernetes secret of the user's)."""
+    key, path = os.environ.get(name, "") or _compose_key(name), os.environ.get(f"{name}_FILE", "")
     if key and path:
         errors.append(f"{name} and {name}_FILE are both set: keep one (the file, for a Docker or Kubernetes secret)")
     elif path:
@@ -85,6 +91,13 @@ def read_key(errors: list[str], name: str = "API_KEY") -> str:
         if not key:
             errors.append(f"{name}_FILE={path} is empty: write the key into it")
     return key
+
+
+def _compose_key(name: str) -> str:
+    try:
+        return (COMPOSE_SECRETS / f"farskip_{name}").read_text().rstrip("\n")
+    except FileNotFoundError:
+        return ""
 
 
 # The one control-plane key the router gets: (id, name, key, role), as sglang_router's

@@ -189,8 +189,9 @@ def test_compose_gpu_service(platform, rank):
     config = compose_config(VERSIONS, NODE_ENVS[rank], extra_env={"COMPOSE_PROFILES": platform})
     assert set(config["services"]) == {GPU_SERVICES[platform]}
     svc = config["services"][GPU_SERVICES[platform]]
-    # Every variable the entrypoint reads is passed through; the platform is fixed per service.
-    assert set(svc["environment"]) == set(entrypoint_vars())
+    # Every variable the entrypoint reads is passed through, the keys as files (test below); the
+    # platform is fixed per service.
+    assert set(svc["environment"]) == set(entrypoint_vars()) - set(KEY_SECRETS)
     assert svc["environment"]["FARSKIP_PLATFORM"] == platform
     assert svc["environment"]["NODE_RANK"] == str(rank)
     assert svc["image"] == f"sglang-farskip:{versions()['FARSKIP_VERSION']}-{platform}"
@@ -253,6 +254,36 @@ def test_compose_servers_come_back_and_park():
                 assert svc["environment"]["PARK_ON_ERROR"] == "1", name
     assert {"farskip-rocm", "farskip-cuda", "farskip-cpu", "demo-cpu", "pd-prefill", "replica-a", "router",
             "pd-router", "replicas-router"} <= seen, seen
+
+
+# The keys compose hands over as files (deploy/compose.yaml, `secrets`): variable -> file name.
+KEY_SECRETS = {"API_KEY": "farskip_API_KEY", "ADMIN_API_KEY": "farskip_ADMIN_API_KEY"}
+
+
+def test_compose_gives_the_keys_as_files_never_as_variables():
+    """A variable given to a container stays in `docker inspect` and in docker-init's environment
+    for the container's lifetime: every server and router gets API_KEY and ADMIN_API_KEY as
+    files compose writes from those variables, at the path the entrypoint and router.py read.
+    The loopback CPU demo alone takes them as variables (it runs with no env file)."""
+    seen = set()
+    for env_files, profiles in ((NODE_ENVS[:1], ("rocm", "cuda")), (CPU_NODE_ENVS[:1], ("cpu-nodes",)),
+                                (ONE_HOST_ENVS.values(), ("pd-cpu", "replicas-cpu")),
+                                ((ROUTER_ENV,), ("router",))):
+        config = compose_config(VERSIONS, *env_files, extra_env={"COMPOSE_PROFILES": ",".join(profiles)})
+        sources = {name: spec.get("environment") for name, spec in config.get("secrets", {}).items()}
+        for name, svc in config["services"].items():
+            if not re.search(r"healthcheck\.sh|router\.py", " ".join(svc.get("healthcheck", {}).get("test", []))):
+                continue
+            seen.add(name)
+            assert not set(KEY_SECRETS) & set(svc["environment"]), f"{name}: a key passed as a variable"
+            given = {sources[s["source"]]: s["target"] for s in svc.get("secrets", [])}
+            assert given == KEY_SECRETS, f"{name}: {given}"
+    assert {"farskip-rocm", "farskip-cuda", "farskip-cpu", "pd-prefill", "pd-decode0", "replica-a", "router",
+            "pd-router", "replicas-router"} <= seen, seen
+    # Where compose writes them is where they are read.
+    assert '"/run/secrets/farskip_$1"' in ENTRYPOINT.read_text()
+    assert 'Path("/run/secrets")' in (DEPLOY / "router.py").read_text()
+    assert 'f"farskip_{name}"' in (DEPLOY / "router.py").read_text()
 
 
 def test_parked_marker_is_one_path():
@@ -1695,7 +1726,7 @@ def test_compose_router_across_hosts():
     svc = config["services"][name]
     assert name == "router" and svc["network_mode"] == "host"
     assert svc["image"] == f"sglang-farskip:{versions()['FARSKIP_VERSION']}-router"
-    assert set(svc["environment"]) == set(router_vars())
+    assert set(svc["environment"]) == set(router_vars()) - set(KEY_SECRETS)
     assert "--healthcheck" in svc["healthcheck"]["test"]
 
 
@@ -1715,12 +1746,12 @@ def test_compose_one_host_profiles(profile, servers):
         assert "ports" not in svc and svc.get("network_mode") is None and set(svc["networks"]) == {"cpu-servers"}
         assert set(env) <= set(entrypoint_vars()) | {"OMP_NUM_THREADS"}, set(env) - set(entrypoint_vars())
         assert env.get("PD_ROLE", "none") == role and env["MODEL_PATH"] == "demo"
-        assert env["HTTP_HOST"] == "0.0.0.0" and "API_KEY" in env
+        assert env["HTTP_HOST"] == "0.0.0.0" and "API_KEY_FILE" in env  # the key itself as a file (KEY_SECRETS)
     svc = config["services"][router]
     (port,) = svc["ports"]
     assert (port["host_ip"], port["published"], port["target"]) == ("127.0.0.1", "8000", 8000)
     env = svc["environment"]
-    assert set(env) == set(router_vars())
+    assert set(env) == set(router_vars()) - set(KEY_SECRETS)
     http = f":{entrypoint_defaults()['HTTP_PORT']}"
     if profile == "pd-cpu":
         assert (env["PREFILL_URLS"], env["DECODE_URLS"]) == (f"http://pd-prefill{http}", f"http://pd-decode0{http}")

@@ -290,7 +290,7 @@ def two_nodes(request, images, demo, one_host_network):
 
 
 def test_two_nodes_in_two_containers(two_nodes, reference):
-    _, url = two_nodes
+    nodes, url = two_nodes
     # API key: SGLang's check, switched on by the entrypoint from API_KEY.
     status, _ = http(url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
     assert status == 401
@@ -300,6 +300,12 @@ def test_two_nodes_in_two_containers(two_nodes, reference):
     # greedy ids must be the same (tests/test_parallel.py bounds the logprobs on loopback).
     assert greedy_ids(url, key=API_KEY) == reference["ids"]
     assert streamed_completion(url, key=API_KEY) == reference["text"]
+    # The key came as a file (deploy/compose.yaml, `secrets`): neither in the container's
+    # configuration (`docker inspect`) nor in the environment of its first process, docker-init,
+    # which lives as long as the container.
+    cid = nodes[0].container("farskip-cpu")
+    assert API_KEY not in sh(["docker", "inspect", "--format", "{{json .Config.Env}}", cid]).stdout
+    assert API_KEY not in sh(["docker", "exec", cid, "cat", "/proc/1/environ"]).stdout
 
 
 # ------------------------------------------------------------------ self-healing
