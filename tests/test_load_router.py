@@ -96,10 +96,16 @@ def test_each_phase_server_reports_its_own_histograms(deployment, pd_run):
     # The prefill server times each request's stay (E2E) and, in PD mode, no first token: the
     # decode server sends it to the client.
     assert (prefill["e2e"]["count"], prefill["ttft"]["count"], prefill["itl"]["count"]) == (REQUESTS, 0, 0)
-    # The decode server sends every token: one first token per request, and every later token
-    # is one of its steps, so its gaps are exactly the client's.
+    # The decode server sends every token: one first token per request, and a gap for each token
+    # of every later output. The client times a gap for each token after its first chunk, so the
+    # two counts are the same unless a first chunk carried the server's first two outputs (a
+    # slow reader: SGLang merges outputs not yet sent; seen under load, 28 gaps against 27).
+    # Both are then bounded by the tokens after each first one.
     assert (decode["e2e"]["count"], decode["ttft"]["count"]) == (REQUESTS, REQUESTS)
-    assert decode["itl"]["count"] == sum(len(r["itl"]) for r in recs) > 0
+    client_gaps = sum(len(r["itl"]) for r in recs)
+    assert 0 < client_gaps <= decode["itl"]["count"] <= sum(r["output_tokens"] - 1 for r in recs)
+    if all(r["first_chunk_tokens"] == 1 for r in recs):
+        assert decode["itl"]["count"] == client_gaps
     md = (out / "report.md").read_text()
     assert f"| pd | 2 | prefill | {deployment['prefill'].url} | - | - | {REQUESTS} / " in md
     assert f"| pd | 2 | decode | {deployment['decode'].url} | {REQUESTS} / " in md
