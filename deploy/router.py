@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 ROUTER_VARS = ("ROUTER_HOST", "ROUTER_PORT", "WORKER_URLS", "PREFILL_URLS", "DECODE_URLS",
-               "BOOTSTRAP_PORT", "ROUTER_REQUEST_TIMEOUT", "API_KEY", "API_KEY_FILE",
+               "BOOTSTRAP_PORT", "ROUTER_REQUEST_TIMEOUT", "ROUTER_MAX_CONCURRENT_REQUESTS", "API_KEY", "API_KEY_FILE",
                "ADMIN_API_KEY", "ADMIN_API_KEY_FILE", "FARSKIP_ALLOW_NO_API_KEY", "ROUTER_EXTRA_ARGS",
                "PARK_ON_ERROR")
 DEFAULTS = {
@@ -49,9 +49,13 @@ DEFAULTS = {
     # it, and one that legitimately takes longer is cut. Above the longest request (time to
     # first token + max_tokens x inter-token latency: 4000 tokens at 50 ms are 200 s).
     "ROUTER_REQUEST_TIMEOUT": "600",
+    # Unset: 256 per server the router sends requests to (the workers in plain mode, the decode
+    # servers in PD mode): each server's own queue bound (--max-queued-requests, which the
+    # launcher sets to 256), so that the router, not a server, is what turns a burst away.
     "FARSKIP_ALLOW_NO_API_KEY": "0",
     "PARK_ON_ERROR": "0",
 }
+PER_SERVER_IN_FLIGHT = 256
 ROUTER_ARGS = Path(__file__).resolve().with_name("router.args")
 URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}$")
 
@@ -118,6 +122,10 @@ def check() -> tuple[list[str], str, str, list[str]]:
         errors.append(f"ROUTER_REQUEST_TIMEOUT={timeout} is not a positive number of seconds: set it "
                       "above your longest request (time to first token + max_tokens x inter-token latency)")
     workers, prefill, decode = urls("WORKER_URLS"), urls("PREFILL_URLS"), urls("DECODE_URLS")
+    in_flight = setting("ROUTER_MAX_CONCURRENT_REQUESTS") or str(PER_SERVER_IN_FLIGHT * max(1, len(workers or decode)))
+    if not in_flight.isdigit() or int(in_flight) < 1:
+        errors.append(f"ROUTER_MAX_CONCURRENT_REQUESTS={in_flight} is not a positive number of requests: set it to "
+                      "what your servers run and queue together, or unset it (256 per server)")
     if workers and (prefill or decode):
         errors.append("WORKER_URLS and PREFILL_URLS/DECODE_URLS are both set: set WORKER_URLS for replicas, "
                       "or PREFILL_URLS and DECODE_URLS for prefill/decode disaggregation, not both")
@@ -168,7 +176,10 @@ def check() -> tuple[list[str], str, str, list[str]]:
             flags += ["--prefill", url, setting("BOOTSTRAP_PORT")]
         for url in decode:
             flags += ["--decode", url]
-    flags += [*router_args(), "--request-timeout-secs", timeout, *extra]
+    # Past this many requests in flight the router answers 429 at once (router.args: no queue).
+    # Without it a burst reached the servers, whose 429s the router retried and counted as
+    # failures: its circuit breaker took the servers out, and every client got 503 for a minute.
+    flags += [*router_args(), "--request-timeout-secs", timeout, "--max-concurrent-requests", in_flight, *extra]
     return flags, key, admin_key, errors
 
 

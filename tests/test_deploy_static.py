@@ -1601,10 +1601,16 @@ def test_router_builds_pd_and_replica_commands():
     assert "--pd-disaggregation" in pd and "--worker-urls" not in pd
     assert " ".join(shared) in " ".join(pd)
     assert flag(pd, "--request-timeout-secs") == "600" and flag(pd, "--prometheus-host") == "127.0.0.1"
+    # The router's in-flight bound: 256 per server it sends to (here two decode servers).
+    assert flag(pd, "--max-concurrent-requests") == "512" and flag(pd, "--queue-size") == "0"
     proc = router_check(WORKER_URLS="http://a:30000 http://b:30000", ROUTER_REQUEST_TIMEOUT="900", **ROUTER_KEYS)
     plain = shlex.split(proc.stdout)
     assert plain[plain.index("--worker-urls") + 1:][:2] == ["http://a:30000", "http://b:30000"]
     assert " ".join(shared) in " ".join(plain) and flag(plain, "--request-timeout-secs") == "900"
+    assert flag(plain, "--max-concurrent-requests") == "512"
+    given = shlex.split(router_check(WORKER_URLS="http://a:30000", ROUTER_MAX_CONCURRENT_REQUESTS="40",
+                                     **ROUTER_KEYS).stdout)
+    assert flag(given, "--max-concurrent-requests") == "40"
     for out in (proc.stdout + proc.stderr, " ".join(pd)):
         assert TEST_API_KEY not in out and "--api-key" not in out
         assert ADMIN_TEST_KEY not in out and "--control-plane-api-keys" not in out
@@ -1648,6 +1654,7 @@ ROUTER_ERRORS = {
     "bad port": ({"ROUTER_PORT": "80000"}, "ROUTER_PORT"),
     "bad bootstrap port": ({"BOOTSTRAP_PORT": "x"}, "BOOTSTRAP_PORT"),
     "bad timeout": ({"ROUTER_REQUEST_TIMEOUT": "0"}, "ROUTER_REQUEST_TIMEOUT"),
+    "bad in-flight bound": ({"ROUTER_MAX_CONCURRENT_REQUESTS": "0"}, "ROUTER_MAX_CONCURRENT_REQUESTS"),
     "no key beyond loopback": ({"API_KEY": ""}, "FARSKIP_ALLOW_NO_API_KEY=1"),
     "key and key file": ({"API_KEY_FILE": "/etc/hostname"}, "keep one"),
     "key file missing": ({"API_KEY": "", "API_KEY_FILE": "/nonexistent/key"}, "not a readable file"),

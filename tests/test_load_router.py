@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,8 @@ from sglang_farskip.testbed.servers import run_load, side_by_side
 from parity import ONE_THREAD
 
 REQUESTS, MAX_TOKENS = 4, 8
+PD_QUEUE = 3  # each server's --max-queued-requests
+BURST = 16
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,9 @@ def deployment():
     """The PD pair, its router, a second router whose decode worker is reached through a
     proxy (closed by the test that needs a worker nobody can reach), and a third started as the
     deployment starts it, with both keys."""
-    runs, bootstrap = pd.pd_runs("pd", ["--enable-metrics"], env=ONE_THREAD)
+    # Small queues (tests below): the load runs here keep at most 2 requests in flight.
+    runs, bootstrap = pd.pd_runs("pd", ["--enable-metrics", "--max-queued-requests", str(PD_QUEUE)],
+                                 decode=["--max-running-requests", "2"], env=ONE_THREAD)
     with side_by_side(runs, serving=pd.serving(runs)) as servers:
         prefill, decode = servers["pd/prefill"], servers["pd/decode0"]
         with SSEProxy(decode.port) as proxy, \
@@ -161,3 +167,63 @@ def test_pd_router_control_plane_answers_the_admin_key(deployment):
     control_plane.admin_key_manages_the_fleet(
         deployment["keyed"], {"url": deployment["prefill"].url, "worker_type": "prefill",
                               "bootstrap_port": deployment["bootstrap"]})
+
+
+def burst(url: str, n: int = BURST, **fields) -> list[tuple[int, float]]:
+    """n /generate requests at once (`fields` added to each): (status, seconds) of each."""
+    def one(k):
+        body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 24, "ignore_eos": True},
+                **{name: value(k) if callable(value) else value for name, value in fields.items()}}
+        start = time.monotonic()
+        req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+                return r.status, time.monotonic() - start
+        except urllib.error.HTTPError as e:
+            return e.code, time.monotonic() - start
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+@pytest.mark.parametrize("server", ["prefill", "decode"])
+def test_pd_servers_bound_their_queues(deployment, server):
+    """SGLang applies --max-queued-requests only without disaggregation (serve/shed.py,
+    pd_queue_bounded): past it, a PD server answers 429 at once instead of queueing. Asked
+    directly, each request with SGLang's fake bootstrap (its own health check's: no peer, no
+    transfer), so that the server's answer is what the client sees. Through the router it is
+    not: sglang-router holds the other half of the pair until its request timeout, and the
+    router's own bound (next test) is what turns a burst away."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    target = deployment[server]
+    pids = target.scheduler_pids()
+    answers = burst(target.url, bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=lambda k: 1000 + k)
+    shed = [s for status, s in answers if status == 429]
+    assert shed and all(status in (200, 429) for status, _ in answers), answers
+    assert max(shed) < 10, answers  # refused as received, not after queueing
+    assert target.scheduler_pids() == pids
+    assert generate_ok(deployment["router"].url)
+
+
+def test_router_turns_a_burst_away_before_the_servers(deployment):
+    """Past --max-concurrent-requests in flight the router answers 429 at once (router.args:
+    --queue-size 0; deploy/router.py sets the bound): the servers never see the burst, so
+    the router's circuit breaker never takes them out, and the next request is served."""
+    with Router([(deployment["prefill"].url, deployment["bootstrap"])], [deployment["decode"].url],
+                extra=["--max-concurrent-requests", "2"]) as limited:
+        limited.wait_ready()
+        answers = burst(limited.url)
+        shed = [s for status, s in answers if status == 429]
+        assert len(shed) >= BURST - 2 - PD_QUEUE and max(shed) < 1.0, answers
+        assert sum(status == 200 for status, _ in answers) >= 2, answers
+        assert "status=429" not in limited.log_path.read_text(), limited.log_tail(20)  # no server shed
+        assert generate_ok(limited.url)
+
+
+def generate_ok(url: str) -> bool:
+    req = urllib.request.Request(url + "/generate", json.dumps({"text": "Hello", "sampling_params": {
+        "max_new_tokens": 2}}).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.status == 200 and bool(json.loads(r.read())["text"])

@@ -53,6 +53,41 @@ RETRY_AFTER_S = 1  # a full queue drains within a scheduler step or a few; the c
 QUEUE_FULL = ("The request queue is full.", "The request is aborted by a higher priority request.")
 
 
+def queued_in_pd(scheduler) -> int:
+    """Requests a prefill or decode scheduler holds that have not started computing: SGLang's
+    bound counts only the waiting queue of a server without disaggregation, and a PD server puts
+    each new request in a queue of its own first (prefill: waiting for the decode server's
+    handshake; decode: waiting for KV memory, then for the KV transfer)."""
+    queues = (scheduler.disagg_prefill_bootstrap_queue, scheduler.disagg_decode_prealloc_queue,
+              scheduler.disagg_decode_transfer_queue)
+    return len(scheduler.waiting_queue) + sum(len(q.queue) for q in queues if q is not None)
+
+
+def pd_queue_bounded(original, self, req, is_retracted=False, *args, **kwargs):
+    """AROUND Scheduler._add_request_to_queue (every process; it runs in the schedulers): a
+    prefill or decode server bounds what it queues with the same flag, `--max-queued-requests`,
+    which SGLang applies only without disaggregation (its `_add_request_to_queue` checks
+    `disaggregation_mode == NULL` first). Past the bound the request is ended as SGLang ends
+    one (the same abort, status and message), so queue_full_is_429 answers it 429 as well. A
+    request the decode server takes back from its running batch (retracted) is not new and
+    always requeued."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    bound = self.max_queued_requests
+    if (is_retracted or bound is None or self.disaggregation_mode == DisaggregationMode.NULL
+            or queued_in_pd(self) + 1 <= bound):
+        return original(self, req, is_retracted, *args, **kwargs)
+    from http import HTTPStatus
+
+    from sglang.srt.managers.scheduler import _make_abort_req
+
+    abort = _make_abort_req(req, finished_reason={"type": "abort", "status_code": HTTPStatus.SERVICE_UNAVAILABLE,
+                                                  "message": QUEUE_FULL[0]})
+    self.send_abort_output(abort, req)
+    self._release_aborted_request(req)
+    return None
+
+
 def queue_args(given) -> list[str]:
     """SGLang's queue bound when the user gave none (`given`: the launcher's GivenArgs)."""
     return [] if "--max-queued-requests" in given else ["--max-queued-requests", str(QUEUE_BOUND)]
