@@ -2,6 +2,7 @@
 
     router.py [--check]      check the environment, start the router (--check: print its flags)
     router.py --healthcheck  exit 0 once every worker given is registered and healthy
+    router.py --flush-cache  flush the cache of every server the router lists (the admin key)
 
 It reads the environment (docs/deploy.md, "Variables read by deploy/router.py"), prints one
 `error:` line per problem (exit 2), and starts `sglang_router.launch_router` in this process:
@@ -226,11 +227,58 @@ def healthcheck() -> int:
     return 0
 
 
+def _ask(url: str, key: str, method: str = "GET", timeout: float = 8) -> tuple[int, str]:
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None,
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def flush_cache() -> int:
+    """POST /flush_cache to every server the router lists, with the admin key: 0 when each
+    flushed. The router's own POST /flush_cache cannot do it: sglang-router 0.3.2 sends the
+    servers the one key it holds for them, the inference key, and a server's /flush_cache is
+    an admin route (SGLang refuses it the inference key). The admin key is the servers' too."""
+    errors: list[str] = []
+    key = read_key(errors, "ADMIN_API_KEY")
+    if not key and not errors:
+        errors.append("ADMIN_API_KEY is not set: a server flushes its cache for its admin key alone; "
+                      "set ADMIN_API_KEY or ADMIN_API_KEY_FILE (the servers' admin key)")
+    if errors:
+        print("\n".join(f"error: {e}" for e in errors), file=sys.stderr)
+        return 2
+    try:
+        status, body = _ask(f"http://127.0.0.1:{setting('ROUTER_PORT')}/workers", key)
+        urls = [w["url"] for w in json.loads(body)["workers"]] if status == 200 else None
+    except (OSError, ValueError, KeyError) as e:
+        status, body, urls = 0, str(e), None
+    if urls is None:
+        print(f"error: the router's /workers answered {status or 'nothing'}: {body[:300]}: is the router up "
+              "on ROUTER_PORT, and ADMIN_API_KEY its admin key?", file=sys.stderr)
+        return 1
+    failed = 0
+    for url in urls:
+        try:
+            status, body = _ask(f"{url}/flush_cache", key, "POST", timeout=60)
+        except OSError as e:
+            status, body = 0, str(e)
+        failed += status != 200
+        print(f"{url}: {status or 'no answer'} {' '.join(body.split())[:300]}")
+    print(f"{len(urls) - failed} of {len(urls)} servers flushed their cache", file=sys.stderr)
+    return 1 if failed or not urls else 0
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--healthcheck"]:
         return healthcheck()
+    if argv == ["--flush-cache"]:
+        return flush_cache()
     if argv and argv != ["--check"]:
-        print(f"usage: router.py [--check | --healthcheck] (reads {' '.join(ROUTER_VARS)})", file=sys.stderr)
+        print(f"usage: router.py [--check | --healthcheck | --flush-cache] (reads {' '.join(ROUTER_VARS)})",
+              file=sys.stderr)
         return 2
     if not argv:
         parked_file().unlink(missing_ok=True)  # a container that Docker restarts keeps its files

@@ -16,8 +16,11 @@ import time
 
 from sglang_farskip.testbed.ports import free_port
 from sglang_farskip.testbed.router import Router
+from sglang_farskip.testbed.servers import ADMIN_KEY as SERVERS_ADMIN_KEY
 
-KEYS = {"API_KEY": "inf-farskip-router-test-5c1e07aa", "ADMIN_API_KEY": "adm-farskip-router-test-9d27b4e1"}
+# The admin key is the servers' too (testbed.servers.ADMIN_KEY), as in a deployment: the flush
+# command sends it to each server.
+KEYS = {"API_KEY": "inf-farskip-router-test-5c1e07aa", "ADMIN_API_KEY": SERVERS_ADMIN_KEY}
 INFERENCE, ADMIN = KEYS["API_KEY"], KEYS["ADMIN_API_KEY"]
 SETTLE_S = 60  # a worker's removal or registration is queued; seen within 2-6 s here
 
@@ -66,12 +69,18 @@ def admin_key_manages_the_fleet(router: Router, readd: dict) -> None:
     url = readd["url"]
     # Admitted by the router, which sends the flush to every server with the key it holds for
     # them, the inference key: the servers refuse it (their /flush_cache is an admin route), so
-    # the router answers 206 with each server's refusal: a cache is flushed on the server itself.
+    # the router answers 206 with each server's refusal...
     status, answer = router.request("POST", "/flush_cache", ADMIN)
     assert status in (200, 206), (status, answer[:300])
     flushed = json.loads(answer)
     assert flushed["total_workers"] == len(before), flushed
     assert {f["worker"] for f in flushed["failed"]} == set(before), flushed
+    # ...so deploy/router.py --flush-cache does it: each listed server, with the admin key.
+    proc = router.run_deployed("--flush-cache")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {line.split(": ", 1)[0] for line in proc.stdout.splitlines()} == set(before), proc.stdout
+    assert all(": 200 " in line for line in proc.stdout.splitlines()), proc.stdout
+    assert ADMIN not in proc.stdout + proc.stderr
     status, answer = router.request("DELETE", f"/workers/{before[url]['id']}", ADMIN)
     assert status == 202, answer[:300]
     wait_listed(router, set(before) - {url})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import tempfile
 import time
 import urllib.error
@@ -83,6 +84,7 @@ class Router(HttpProcess):
             cmd, deployed = self._deployed(port, prefill, decode, workers, [*metrics, *extra])
             # Only what the test gives: a key in the caller's environment would be a second one.
             env = {k: v for k, v in env.items() if k not in DEPLOY_ROUTER.ROUTER_VARS} | deployed
+            self._deployed_cmd, self._deployed_env = cmd, env
         else:
             cmd = [str(router_python()), "-m", "sglang_router.launch_router",
                    "--host", "127.0.0.1", "--port", str(port), *metrics]
@@ -113,6 +115,12 @@ class Router(HttpProcess):
             path.write_text(key + "\n")
             env[f"{name}_FILE"] = str(path)
         return [str(router_python()), str(REPO / "deploy" / "router.py")], env
+
+    def run_deployed(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """deploy/router.py ARGS (--healthcheck, --flush-cache) in this router's environment, as
+        an operator runs it in the router's container; for a router started with keys."""
+        return subprocess.run([*self._deployed_cmd, *args], env=self._deployed_env, capture_output=True,
+                              text=True, timeout=timeout)
 
     def request(self, method: str, path: str, key: str | None = None, body: dict | None = None,
                 timeout: float = 30) -> tuple[int, str]:
