@@ -12,7 +12,8 @@ It reads the environment (docs/deploy.md, "Variables read by deploy/router.py"),
 each with the health-check and retry flags of router.args beside this file (the tests read the
 same file).
 The keys, each given to the router in memory, never on a command line (ps shows one to every
-user of the host): the router's --api-key is both what clients must send it (401 without) and
+user of the host) nor left in the environment of the process that runs it (given as variables,
+they reach a second start of this script through a pipe, restart_without_key_variables): the router's --api-key is both what clients must send it (401 without) and
 what it sends the workers, so it is the workers' API_KEY; ADMIN_API_KEY is the one admin entry
 of its --control-plane-api-keys, so that its control plane (adding and removing workers,
 flushing caches, listing workers and loads) answers the admin key and nothing else. Without
@@ -81,10 +82,37 @@ def urls(name: str) -> list[str]:
 COMPOSE_SECRETS = Path("/run/secrets")
 
 
+# Keys given as variables (API_KEY, ADMIN_API_KEY: a Kubernetes secretKeyRef, Slurm's
+# environment) reach the router through a pipe, never its environment: the process that runs
+# the router (PID 1 of its container) keeps the environment it was started with, readable in
+# /proc/1/environ for its lifetime. So the first process reads them, starts this script again
+# without them, and writes them into a pipe the second one reads (KEYS_FD).
+KEY_VARIABLES, KEYS_FD = ("API_KEY", "ADMIN_API_KEY"), "FARSKIP_ROUTER_KEYS_FD"
+_handed: dict[str, str] = {}
+
+
+def restart_without_key_variables(keys: dict[str, str]) -> None:
+    """exec this script again (no return) with `keys` in a pipe instead of the environment."""
+    read_end, write_end = os.pipe()
+    os.write(write_end, json.dumps(keys).encode())  # a few hundred bytes: within the pipe's buffer
+    os.close(write_end)
+    os.set_inheritable(read_end, True)
+    env = {k: v for k, v in os.environ.items() if k not in KEY_VARIABLES} | {KEYS_FD: str(read_end)}
+    os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve())], env)
+
+
+def take_handed_keys() -> None:
+    fd = os.environ.pop(KEYS_FD, None)
+    if fd is not None:
+        with os.fdopen(int(fd)) as pipe:
+            _handed.update(json.loads(pipe.read()))
+
+
 def read_key(errors: list[str], name: str = "API_KEY") -> str:
-    """NAME's value (the variable, or the file compose wrote for it), or the content of the file
-    NAME_FILE names (a Docker or Kubernetes secret of the user's)."""
-    key, path = os.environ.get(name, "") or _compose_key(name), os.environ.get(f"{name}_FILE", "")
+    """NAME's value (the variable, handed over through the pipe, or the file compose wrote for
+    it), or the content of the file NAME_FILE names (a Docker or Kubernetes secret of the user's)."""
+    key = os.environ.get(name, "") or _handed.get(name, "") or _compose_key(name)
+    path = os.environ.get(f"{name}_FILE", "")
     if key and path:
         errors.append(f"{name} and {name}_FILE are both set: keep one (the file, for a Docker or Kubernetes secret)")
     elif path:
@@ -281,11 +309,15 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     if not argv:
+        take_handed_keys()
         parked_file().unlink(missing_ok=True)  # a container that Docker restarts keeps its files
     flags, key, admin_key, errors = check()
     if errors:
         print("\n".join(f"error: {e}" for e in errors), file=sys.stderr, flush=True)
         return park(errors) if not argv and setting("PARK_ON_ERROR") == "1" else 2
+    variables = {name: value for name, value in os.environ.items() if name in KEY_VARIABLES and value}
+    if not argv and variables:
+        restart_without_key_variables(variables)
     held = [what for what, k in (("API key", key), ("admin key for the control plane", admin_key)) if k]
     print("sglang-farskip router: " + shlex.join(flags) + (f" ({' and '.join(held)} set, not shown)" if held else ""),
           file=sys.stderr, flush=True)

@@ -375,3 +375,54 @@ os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])  # the entrypo
         assert seen["files"]["FARSKIP_API_KEY_FILE"] == [ENV_KEY, 0o600]
         assert seen["files"]["FARSKIP_ADMIN_API_KEY_FILE"][0] == ADMIN_KEY
         assert ENV_KEY not in proc.stdout + proc.stderr
+
+
+def test_the_router_keeps_no_key_variable_in_its_environment():
+    """deploy/router.py given both keys as variables (a Kubernetes secretKeyRef, Slurm): the
+    process that serves, PID 1 of the router's container, shows neither in /proc/PID/environ
+    (the environment it was started with, kept for its lifetime), and the router still asks
+    clients for the API key and its control plane for the admin key."""
+    import time
+
+    from sglang_farskip.testbed import REPO
+    from sglang_farskip.testbed.router import router_python
+
+    port = free_port()
+    env = {"PATH": os.environ["PATH"], "ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port),
+           "WORKER_URLS": f"http://127.0.0.1:{free_port()}", "API_KEY": ENV_KEY, "ADMIN_API_KEY": ADMIN_KEY,
+           "ROUTER_EXTRA_ARGS": f"--prometheus-port {free_port()}"}
+    proc = subprocess.Popen([str(router_python()), str(REPO / "deploy" / "router.py")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def status(path: str, key: str | None) -> int:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                         headers={"Authorization": f"Bearer {key}"} if key else {})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                answers = (status("/workers", ADMIN_KEY), status("/workers", ENV_KEY), status("/v1/models", None))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the router did not listen within 60 s"
+                time.sleep(0.3)
+        environ = open(f"/proc/{proc.pid}/environ", "rb").read().decode(errors="replace")
+        assert ENV_KEY not in environ and ADMIN_KEY not in environ, environ.replace("\0", " ")
+        assert "API_KEY=" not in environ  # not even empty
+        # The keys reached the router: the admin key lists its workers, the API key does not.
+        assert answers[:2] == (200, 401), answers
+        chat = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=b"{}",
+                                      headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(chat, timeout=5)
+        assert refused.value.code == 401
+    finally:
+        proc.kill()
+        output = proc.communicate(timeout=30)[0]
+    assert ENV_KEY not in output and ADMIN_KEY not in output
