@@ -187,22 +187,42 @@ def burst(url: str, n: int = BURST, **fields) -> list[tuple[int, float]]:
         return list(pool.map(one, range(n)))
 
 
+def post_generate(url: str, body: dict) -> tuple[int, float, str]:
+    start = time.monotonic()
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, time.monotonic() - start, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, time.monotonic() - start, e.read().decode()
+
+
 @pytest.mark.parametrize("server", ["prefill", "decode"])
 def test_pd_servers_bound_their_queues(deployment, server):
     """SGLang applies --max-queued-requests only without disaggregation (serve/shed.py,
-    pd_queue_bounded): past it, a PD server answers 429 at once instead of queueing. Asked
-    directly, each request with SGLang's fake bootstrap (its own health check's: no peer, no
-    transfer), so that the server's answer is what the client sees. Through the router it is
-    not: sglang-router holds the other half of the pair until its request timeout, and the
-    router's own bound (next test) is what turns a burst away."""
+    pd_queue_bounded): past it a PD server answers 429 at once instead of queueing. Asked
+    directly, each prompt with SGLang's fake bootstrap (its own health check's: no peer, no
+    transfer), so that the server's answer is what the client sees. One batch of token-id
+    prompts reaches the scheduler as one message (SGLang's batch dispatch), so its prompts
+    queue together: PD_QUEUE of them fit, one more is refused, whatever the machine's load
+    (a burst of separate clients was not: under load they arrived one by one and each was
+    served before the next came). Through the router a server's 429 is not what the client
+    sees (sglang-router holds the pair's other half until its request timeout): the router's
+    own bound turns a burst away first (next test)."""
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
     target = deployment[server]
     pids = target.scheduler_pids()
-    answers = burst(target.url, bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=lambda k: 1000 + k)
-    shed = [s for status, s in answers if status == 429]
-    assert shed and all(status in (200, 429) for status, _ in answers), answers
-    assert max(shed) < 10, answers  # refused as received, not after queueing
+
+    def batch(n: int, first_room: int) -> dict:
+        return {"input_ids": [[11, 12, 13, 14, 15 + k] for k in range(n)],
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+                "bootstrap_host": [FAKE_BOOTSTRAP_HOST] * n, "bootstrap_room": list(range(first_room, first_room + n))}
+
+    status, _, answer = post_generate(target.url, batch(PD_QUEUE, 1000))
+    assert status == 200 and len(json.loads(answer)) == PD_QUEUE, answer[:500]
+    status, took, answer = post_generate(target.url, batch(PD_QUEUE + 1, 2000))
+    assert status == 429 and "request queue is full" in answer and took < 10, (status, took, answer[:500])
     assert target.scheduler_pids() == pids
     assert generate_ok(deployment["router"].url)
 
