@@ -13,10 +13,11 @@ each with the health-check and retry flags of router.args beside this file (the 
 same file).
 The keys, each given to the router in memory, never on a command line (ps shows one to every
 user of the host) nor left in the environment of the process that runs it (given as variables,
-they reach a second start of this script through a pipe, restart_without_key_variables): the router's --api-key is both what clients must send it (401 without) and
-what it sends the workers, so it is the workers' API_KEY; ADMIN_API_KEY is the one admin entry
-of its --control-plane-api-keys, so that its control plane (adding and removing workers,
-flushing caches, listing workers and loads) answers the admin key and nothing else. Without
+they reach a second start of this script through a pipe: restart_without_key_variables): the
+router's --api-key is both what clients must send it (401 without) and what it sends the
+workers, so it is the workers' API_KEY; ADMIN_API_KEY is the one admin entry of its
+--control-plane-api-keys, so that its control plane (adding and removing workers, flushing
+caches, listing workers and loads) answers the admin key and nothing else. Without
 control-plane keys the router opens that control plane to the inference key: any client could
 remove the deployment's servers and add its own, and every user's prompt would go there. So an
 API key without an admin key is refused. --healthcheck asks GET /workers (a control-plane
@@ -51,12 +52,13 @@ DEFAULTS = {
     # it, and one that legitimately takes longer is cut. Above the longest request (time to
     # first token + max_tokens x inter-token latency: 4000 tokens at 50 ms are 200 s).
     "ROUTER_REQUEST_TIMEOUT": "600",
-    # Unset: 256 per server the router sends requests to (the workers in plain mode, the decode
-    # servers in PD mode): each server's own queue bound (--max-queued-requests, which the
-    # launcher sets to 256), so that the router, not a server, is what turns a burst away.
     "FARSKIP_ALLOW_NO_API_KEY": "0",
     "PARK_ON_ERROR": "0",
 }
+# ROUTER_MAX_CONCURRENT_REQUESTS when unset: this many per server the router sends requests to
+# (the workers in plain mode, the decode servers in PD mode), each server's own queue bound
+# (--max-queued-requests, which the launcher sets to 256), so that the router, not a server, is
+# what turns a burst away.
 PER_SERVER_IN_FLIGHT = 256
 ROUTER_ARGS = Path(__file__).resolve().with_name("router.args")
 URL = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):\d{1,5}$")

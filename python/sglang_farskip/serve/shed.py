@@ -18,6 +18,8 @@ bound the client is told at once, with a 429 and a Retry-After, rather than made
      stream's error event says 429, as it said 503.
    /v1/responses answers every exception with a 400; `shed_responses` answers a shed one 429.
    The queue-full abort is a request's first output, so a shed request costs one scheduler step.
+   SGLang applies the bound only without disaggregation; `pd_queue_bounded` applies it to a
+   prefill or decode server's own queues, with the same abort.
 
 2. `ShedMiddleware` (an ASGI middleware added to SGLang's app) gives every 429 of any route a
    `Retry-After` (`RETRY_AFTER_S`, or what the refusal knows better), and answers
