@@ -5,8 +5,10 @@ Each case starts the demo model in a layout of router_soak.py, every server proc
 deployment's watchdog, and SGLang's router in front; runs soak.py's constant non-streaming load
 through the router; and SIGKILLs (or SIGSTOPs) the whole process tree of one server process
 FAULT_AT_S in. The cases:
-- PD (prefill and decode at TP=1): the decode server crashes; the prefill server crashes;
-- PD with the decode server at TP=2 as two node processes: decode node 1 crashes;
+- PD (prefill and decode at TP=1): the prefill server crashes;
+- PD with the decode server at TP=2 as two node processes: decode node 1 crashes (which ends
+  and restarts the whole decode server: the decode side's recovery, in the layout users run;
+  the same crash at TP=1 ran here too until the suite's time asked for each layout once);
 - two replicas, `a` at TP=2 as two node processes and `b` at TP=1: node 1 of `a` hangs.
 What must hold (router_soak.py's exit status carries soak.py's checks and its own):
 - no request hangs: each ends within the clients' timeout (REQUEST_TIMEOUT_S) plus 5 s. After
@@ -48,7 +50,6 @@ from sglang_farskip.testbed import REPO
 
 FAULT_AT_S, SETTLE_S, MAX_S = 5, 10, 600
 CASES = {  # id: (router_soak.py arguments, DURATION_S, REQUEST_TIMEOUT_S)
-    "pd-decode-crash": (["--layout", "pd", "--fault", "decode0"], 30, 30),
     "pd-prefill-crash": (["--layout", "pd", "--fault", "prefill"], 30, 30),
     "pd-decode-node1-crash": (["--layout", "pd", "--nodes", "2", "--fault", "decode1"], 30, 30),
     # A request on replica a when node 1 hangs waits until the watchdog ends node 0 (about 24 s:
