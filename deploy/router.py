@@ -242,11 +242,8 @@ def healthcheck() -> int:
     # /workers is a control-plane route: the admin key when the router has one.
     key = read_key(errors, "ADMIN_API_KEY") or read_key(errors)
     expected = len(urls("WORKER_URLS")) + len(urls("PREFILL_URLS")) + len(urls("DECODE_URLS"))
-    req = urllib.request.Request(f"http://127.0.0.1:{setting('ROUTER_PORT')}/workers",
-                                 headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(req, timeout=8) as r:
-            workers = json.loads(r.read())["workers"]
+        workers = listed_workers(key)
     except (OSError, ValueError, KeyError) as e:
         print(f"router /workers: {e}", file=sys.stderr)
         return 1
@@ -267,6 +264,14 @@ def _ask(url: str, key: str, method: str = "GET", timeout: float = 8) -> tuple[i
         return e.code, e.read().decode(errors="replace")
 
 
+def listed_workers(key: str) -> list[dict]:
+    """The router's GET /workers (a control-plane route: the admin key when it has one)."""
+    status, body = _ask(f"http://127.0.0.1:{setting('ROUTER_PORT')}/workers", key)
+    if status != 200:
+        raise OSError(f"answered {status}: {body[:300]}")
+    return json.loads(body)["workers"]
+
+
 def flush_cache() -> int:
     """POST /flush_cache to every server the router lists, with the admin key: 0 when each
     flushed. The router's own POST /flush_cache cannot do it: sglang-router 0.3.2 sends the
@@ -281,24 +286,21 @@ def flush_cache() -> int:
         print("\n".join(f"error: {e}" for e in errors), file=sys.stderr)
         return 2
     try:
-        status, body = _ask(f"http://127.0.0.1:{setting('ROUTER_PORT')}/workers", key)
-        urls = [w["url"] for w in json.loads(body)["workers"]] if status == 200 else None
+        servers = [w["url"] for w in listed_workers(key)]
     except (OSError, ValueError, KeyError) as e:
-        status, body, urls = 0, str(e), None
-    if urls is None:
-        print(f"error: the router's /workers answered {status or 'nothing'}: {body[:300]}: is the router up "
-              "on ROUTER_PORT, and ADMIN_API_KEY its admin key?", file=sys.stderr)
+        print(f"error: the router's /workers: {e}: is the router up on ROUTER_PORT, and ADMIN_API_KEY its "
+              "admin key?", file=sys.stderr)
         return 1
     failed = 0
-    for url in urls:
+    for url in servers:
         try:
             status, body = _ask(f"{url}/flush_cache", key, "POST", timeout=60)
         except OSError as e:
             status, body = 0, str(e)
         failed += status != 200
         print(f"{url}: {status or 'no answer'} {' '.join(body.split())[:300]}")
-    print(f"{len(urls) - failed} of {len(urls)} servers flushed their cache", file=sys.stderr)
-    return 1 if failed or not urls else 0
+    print(f"{len(servers) - failed} of {len(servers)} servers flushed their cache", file=sys.stderr)
+    return 1 if failed or not servers else 0
 
 
 def main(argv: list[str]) -> int:
