@@ -12,19 +12,32 @@ venv="$root/.venv"
 python="${PYTHON:-python3}"
 
 # Mooncake's engine links the Debian libraries in requirements/pd-cpu.debs even for its TCP
-# transport; without them every PD server fails at its first import. Checked on every run (the
-# stamp below does not know the system). .ci/run installs them as root.
+# transport; only prefill/decode disaggregation (PD) loads it. Checked on every run (the stamp
+# below does not know the system): as root with apt, they are installed; otherwise everything
+# else installs and serves without them, and the launcher refuses a PD server with one error:
+# line naming the command, until they are installed.
 ldconfig="$(command -v ldconfig || echo /sbin/ldconfig)"  # /sbin is not on every user's PATH
-libs="$("$ldconfig" -p)"
-missing=() packages=()
-while read -r package lib; do
-  [[ -z "$package" || "$package" == \#* ]] && continue
-  grep -q "$lib" <<<"$libs" || { missing+=("$lib"); packages+=("$package"); }
-done <"$root/requirements/pd-cpu.debs"
+missing_pd_libs() {  # sets missing (library names) and packages (Debian packages)
+  local libs package lib
+  libs="$("$ldconfig" -p)"
+  missing=() packages=()
+  while read -r package lib; do
+    [[ -z "$package" || "$package" == \#* ]] && continue
+    grep -q "$lib" <<<"$libs" || { missing+=("$lib"); packages+=("$package"); }
+  done <"$root/requirements/pd-cpu.debs"
+}
+missing_pd_libs
+if ((${#missing[@]})) && ((EUID == 0)) && command -v apt-get >/dev/null 2>&1; then
+  echo "== installing ${packages[*]} (Mooncake's transfer engine links them; for PD)" >&2
+  if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends "${packages[@]}"; } >/tmp/farskip-apt.log 2>&1; then
+    tail -5 /tmp/farskip-apt.log >&2  # not fatal: only PD needs them (the warning below)
+  fi
+  missing_pd_libs
+fi
 if ((${#missing[@]})); then
-  echo "error: ${missing[*]} not found (Mooncake's transfer engine, used for PD disaggregation, links" \
-    "them): run \`apt-get install ${packages[*]}\` as root, then this again" >&2
-  exit 2
+  echo "warning: ${missing[*]} not found: prefill/decode disaggregation (PD) is refused until" \
+    "\`apt-get install ${packages[*]}\` is run as root; everything else installs and serves" >&2
 fi
 
 "$root/scripts/router-env.sh"
@@ -102,7 +115,9 @@ v = md.version("sglang")
 if v != "0.5.23":
     sys.exit(f"error: sglang {v} installed, sglang_farskip is pinned to 0.5.23")
 import torch, transformers, sglang_farskip  # noqa: F401
-from mooncake.engine import TransferEngine  # noqa: F401  (needs the two libraries checked above)
 PY
+if ((${#missing[@]} == 0)); then  # PD's engine loads (it needs the libraries checked above)
+  "$venv/bin/python" -c 'from mooncake.engine import TransferEngine'
+fi
 echo "$want" > "$venv/.farskip-stamp"
 echo "== installed" >&2

@@ -35,6 +35,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import warnings
 
 import torch
@@ -90,7 +91,21 @@ def cpu_environment(ranks_on_this_node: int, cores: int) -> dict[str, str]:
     if ranks_on_this_node > 1:
         # Oversubscribed OpenMP threads across ranks made TP=2 about 3x slower here.
         env["OMP_NUM_THREADS"] = str(per_rank)
+    if not _cxx_compiler():
+        # SGLang torch.compiles some of its CPU math (the MoE router's top-k, sampling helpers)
+        # and inductor builds it with a C++ compiler at the first forward: without one every
+        # server died there (InvalidCxxCompiler), e.g. on a fresh Debian without g++. Run those
+        # functions eagerly instead: the same math, as the test servers run it.
+        logger.warning("no C++ compiler (%s) on PATH: SGLang's torch.compile'd CPU functions run "
+                       "eagerly (TORCHDYNAMO_DISABLE=1); apt-get install g++ to compile them",
+                       os.environ.get("CXX") or "g++")
+        env["TORCHDYNAMO_DISABLE"] = "1"
     return env
+
+
+def _cxx_compiler() -> str | None:
+    """The compiler inductor would use on CPU (torch/_inductor/config.py: $CXX, else g++)."""
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def cpu_default_args() -> list[tuple[str, str | None]]:

@@ -521,6 +521,9 @@ def _refuse_what_farskip_cannot_run(server_args, config: dict, farskip: FarSkipC
         from sglang_farskip.cpu import pd
 
         pd.check(resolved)
+    from sglang_farskip.serve.kv_transfer import require_transfer_engine
+
+    require_transfer_engine(resolved)
     _refuse_unchecked(resolved, opts)
     if (getattr(resolved, "tokenizer_worker_num", 1) or 1) > 1:
         raise UserError(
