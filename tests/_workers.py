@@ -47,6 +47,7 @@ LONGEST_FIRST = [
     "tests/test_parallel.py",  # 215
     "tests/test_spec_farskip.py",  # 205
     "tests/test_fcsd.py",  # 180
+    "tests/test_fresh_machine.py",  # 140 (an install in a container, then the demo)
     "tests/test_fuzz.py",  # 180 (one server, a 120 s budget)
     "tests/test_instella.py",  # 180
     "tests/test_load_harness.py",  # 165

@@ -22,6 +22,9 @@ ROUTER_IMAGE = "sglang-farskip-test:router"
 TORCH_SGLANG_IMAGE = "farskip-standin/torch-sglang:test"
 BUILD_TIMEOUT_S = 1800  # the cold CPU build downloads ~4 GB of torch; measured ~5-8 min here
 LOCK = Path(tempfile.gettempdir()) / "sglang-farskip-test-images.lock"
+# The stand-in base alone (tests/test_fresh_machine.py needs nothing else): taken inside LOCK by
+# ensure_images, alone by ensure_base, so that one does not wait for the other's image builds.
+BASE_LOCK = Path(tempfile.gettempdir()) / "sglang-farskip-test-base.lock"
 
 
 def sh(cmd: list[str], *, timeout: float = 120, env: dict | None = None,
@@ -52,6 +55,16 @@ def build(flavour: str, image: str, *args: str) -> float:
     return time.monotonic() - start
 
 
+def ensure_base(report=print) -> str:
+    """The stand-in Python base (docker/standin/python-base.sh), built once; its name."""
+    with open(BASE_LOCK, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        start = time.monotonic()
+        base = sh([str(DOCKER / "standin" / "python-base.sh")], timeout=900).stdout.strip()
+        report(f"stand-in python base {base}: {time.monotonic() - start:.0f} s")
+    return base
+
+
 def ensure_images(report=print) -> dict[str, str]:
     """The stand-in Python base, the CPU image, its torch-sglang stage (the GPU stand-ins'
     base) and the router image; `report` gets one line per step with its time (near 0 s when
@@ -61,9 +74,7 @@ def ensure_images(report=print) -> dict[str, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if time.monotonic() - start > 1:
             report(f"waited {time.monotonic() - start:.0f} s for another build of the test images")
-        start = time.monotonic()
-        base = sh([str(DOCKER / "standin" / "python-base.sh")], timeout=900).stdout.strip()
-        report(f"stand-in python base {base}: {time.monotonic() - start:.0f} s")
+        base = ensure_base(report)
         standin = ["--build-arg", f"PYTHON_IMAGE={base}"]
         seconds = build("cpu", CPU_IMAGE, *standin)
         report(f"docker/build.sh cpu ({CPU_IMAGE}): {seconds:.0f} s")
