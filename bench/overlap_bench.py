@@ -49,12 +49,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from sglang_farskip.serve.watchdog import signal_group
 from sglang_farskip.testbed.netns import BENCH, shaped_link
 from sglang_farskip.testbed.ports import free_port
+from sglang_farskip.testbed.servers import stream_times
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -62,38 +62,18 @@ NS, VETH, ADDR = BENCH.ns, BENCH.veth, BENCH.addr  # the two namespaces this scr
 
 
 # ------------------------------------------------------------------ client (runs in node 0's netns)
-def _stream_tokens(url: str, ids: list[int], max_new: int) -> list[float]:
-    """Arrival times of each streamed token chunk (/generate, stream)."""
-    body = json.dumps({"input_ids": ids, "stream": True,
-                       "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
-                                           "ignore_eos": True}}).encode()
-    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
-    start = time.perf_counter()
-    times, seen = [], 0
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line.endswith(b"[DONE]"):
-                continue
-            n = json.loads(line[5:])["meta_info"]["completion_tokens"]
-            now = time.perf_counter() - start
-            times.extend([now] * (n - seen))  # a multi-token chunk: tokens arrive together
-            seen = n
-    return times
-
-
 def client(args) -> dict:
     rng = random.Random(args.seed)
     prompt = lambda n: [0] + [rng.randrange(2, 4000) for _ in range(n - 1)]  # noqa: E731
-    _stream_tokens(args.url, prompt(16), 4)  # warm-up
+    stream_times(args.url, prompt(16), 4)  # warm-up
     if args.phase == "ttft":
         t0 = time.perf_counter()
-        ttfts = [_stream_tokens(args.url, prompt(args.prompt_len), 1)[0] for _ in range(args.repeats)]
+        ttfts = [stream_times(args.url, prompt(args.prompt_len), 1)[0] for _ in range(args.repeats)]
         return {"ttft_s": statistics.median(ttfts), "wall_s": time.perf_counter() - t0}
     gaps, lock = [], threading.Lock()
 
     def one():
-        times = _stream_tokens(args.url, prompt(8), args.decode_tokens)
+        times = stream_times(args.url, prompt(8), args.decode_tokens)
         with lock:
             gaps.extend(b - a for a, b in zip(times, times[1:]))
 

@@ -13,6 +13,9 @@ loopback.
 - the overlap instrumentation shows real deferral: on both lanes, at least one sub-block of
   compute ran between each launch and its wait, in prefill and in decode (and none in
   `blocking`);
+- FarSkip's series on /metrics (--enable-metrics) equal, rank by rank and lane by lane, the
+  profile files of the same run (counts and bytes exactly), with every lane measured; each node
+  of the two-node layout serves its own rank's series, labelled with its node;
 - killing one node mid-request makes the other exit with an error, not hang.
 """
 
@@ -37,25 +40,43 @@ def checkpoints(tmp_path_factory):
     return full_and_range(tmp_path_factory.mktemp("ckpt"))
 
 
-def test_tp2_overlap_is_bit_identical_to_sync_and_blocking_and_defers_waits(checkpoints, tmp_path):
-    """overlap, sync and blocking (overlap's comm thread, waited at launch) side by side: the
-    same bits, and only overlap has compute between a launch and its wait."""
+@pytest.fixture(scope="module")
+def tp2_modes(checkpoints, tmp_path_factory):
+    """overlap, sync and blocking (overlap's comm thread, waited at launch) side by side at
+    TP=2, with SGLang's metrics on: what each rank reports, the served results, each server's
+    /metrics after the last request, and the profile files (read once the servers stopped)."""
     path = str(checkpoints["full"])
-    runs = {mode: {"args": ["--model-path", path, "--tp", "2", "--farskip-mode", mode,
-                            "--farskip-profile-dir", str(tmp_path / mode), *FLOAT32],
+    profiles = tmp_path_factory.mktemp("profiles")
+    runs = {mode: {"args": ["--model-path", path, "--tp", "2", "--farskip-mode", mode, "--enable-metrics",
+                            "--farskip-profile-dir", str(profiles / mode), *FLOAT32],
                    "env": ONE_THREAD}
-            for mode in ("overlap", "sync", "blocking")}
+            for mode in MODES}
     with side_by_side(runs) as servers:
         ranks = {mode: s.get("/farskip/info")["ranks"] for mode, s in servers.items()}
         results = {mode: served(s) for mode, s in servers.items()}
+        # After the last request no forward runs: the profile files, written at the end of each
+        # forward as the counters are published, hold the same forwards.
+        metrics = {mode: metric_samples(s.url) for mode, s in servers.items()}
+    files = {(mode, rank): json.loads((profiles / mode / f"profile-rank{rank}.json").read_text())
+             for mode in MODES for rank in (0, 1)}
+    return {"path": path, "ranks": ranks, "results": results, "metrics": metrics, "profiles": files}
+
+
+MODES = ("overlap", "sync", "blocking")
+LANES = ("attn+shared", "routed")
+
+
+def test_tp2_overlap_is_bit_identical_to_sync_and_blocking_and_defers_waits(tp2_modes):
+    """The same bits in the three modes, and only overlap has compute between a launch and its
+    wait."""
+    ranks, results = tp2_modes["ranks"], tp2_modes["results"]
     for mode, backend in (("overlap", "comm-thread"), ("sync", "blocking"), ("blocking", "comm-thread")):
         assert [(r["mode"], r["comm_backend"]) for r in ranks[mode]] == [(mode, backend)] * 2, ranks[mode]
 
     for rank in (0, 1):
-        profiles = {mode: json.loads((tmp_path / mode / f"profile-rank{rank}.json").read_text())
-                    for mode in ("overlap", "blocking")}
+        profiles = {mode: tp2_modes["profiles"][(mode, rank)] for mode in ("overlap", "blocking")}
         for phase in ("prefill", "decode"):
-            for lane in ("attn+shared", "routed"):
+            for lane in LANES:
                 # MoE layers only (1..3): the dense layer 0's output must reach layer 1's
                 # attention input (docs/design.md), so its sum is waited right away; and the
                 # final norm drains the last layer's routed sum, so that one cannot overlap.
@@ -68,7 +89,64 @@ def test_tp2_overlap_is_bit_identical_to_sync_and_blocking_and_defers_waits(chec
                 rows = [profiles["blocking"][f"{phase}/{k}/{lane}"] for k in layers]
                 assert max(r["min_steps_between"] for r in rows) == 0, (phase, lane, rows)
     assert results["overlap"] == results["sync"] == results["blocking"]
-    assert_matches_reference(results["overlap"], load_reference(path))
+    assert_matches_reference(results["overlap"], load_reference(tp2_modes["path"]))
+
+
+def test_farskip_metrics_agree_with_the_profile_files(tp2_modes):
+    """FarSkip's series on /metrics (--enable-metrics): for every rank, mode, phase and lane the
+    counters hold what the rank's profile file holds, summed over layers, and every lane was
+    measured; farskip:info says each rank's mode, converted layers and all-reduce backend.
+
+    Tolerance: counts and bytes exactly; seconds within 1e-6 s: both are sums of the same
+    float64 durations (per layer in the file, per forward in the counters), which differ only
+    by rounding, about 1e-15 of the total here."""
+    for mode in MODES:
+        samples = tp2_modes["metrics"][mode]
+        for rank, report in enumerate(tp2_modes["ranks"][mode]):
+            # SGLang's own labels: the served name (the model path here), the engine type.
+            labels = {"tp_rank": str(rank), "node": "0", "model_name": tp2_modes["path"], "engine_type": "unified"}
+            info = find(samples, "farskip:info", labels)
+            assert len(info) == 1 and info[0][1] == 1.0, info
+            assert info[0][0]["mode"] == mode and info[0][0]["converted_layers"] == "0-3"
+            assert info[0][0]["comm_backend"] == report["comm_backend"]
+            profile = tp2_modes["profiles"][(mode, rank)]
+            for phase in ("prefill", "decode"):
+                for lane in LANES:
+                    rows = [v for k, v in profile.items() if k.startswith(f"{phase}/") and k.endswith(f"/{lane}")]
+                    want = {f: sum(r[f] for r in rows) for f in ("count", "comm_s", "blocked_s", "bytes")}
+                    where = {**labels, "phase": phase, "lane": lane}
+                    got = {f: one(samples, name, where) for f, name in (
+                        ("count", "farskip:collectives_total"), ("comm_s", "farskip:collective_seconds_total"),
+                        ("blocked_s", "farskip:wait_seconds_total"), ("bytes", "farskip:allreduce_bytes_total"))}
+                    assert got["count"] > 0 and got["bytes"] > 0, f"{mode} rank {rank}: {phase}/{lane} never measured"
+                    assert got["count"] == want["count"] and got["bytes"] == want["bytes"], (mode, rank, where, got, want)
+                    for f in ("comm_s", "blocked_s"):
+                        assert abs(got[f] - want[f]) <= 1e-6, (mode, rank, where, f, got, want)
+                    # Waited no longer than in flight, but for the wait() call itself, counted
+                    # as blocked even when the sum had completed (about a microsecond each; 1 ms
+                    # allowed each for a busy machine's preemption).
+                    assert 0 <= got["blocked_s"] <= got["comm_s"] + 1e-3 * got["count"], (mode, rank, where, got)
+
+
+def metric_samples(url: str) -> list[tuple[str, dict, float]]:
+    """Every sample of /metrics, parsed with prometheus_client's own parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def find(samples, name: str, labels: dict) -> list[tuple[dict, float]]:
+    return [(lab, value) for n, lab, value in samples
+            if n == name and all(lab.get(k) == v for k, v in labels.items())]
+
+
+def one(samples, name: str, labels: dict) -> float:
+    found = find(samples, name, labels)
+    assert len(found) == 1, f"{name}{labels}: {len(found)} series"
+    return found[0][1]
 
 
 LAYOUTS = {"tp2": ["--tp", "2"], "tp2-ep2": ["--tp", "2", "--ep-size", "2"]}
@@ -153,7 +231,8 @@ def test_two_nodes_on_loopback_match_reference_and_fail_fast_when_a_node_dies(ch
 
     def node(rank: int) -> Server:
         return Server(["--model-path", path, "--tp", "2", "--nnodes", "2", "--node-rank", str(rank),
-                       "--dist-init-addr", addr, "--dist-timeout", "60", *FLOAT32], env=ONE_THREAD)
+                       "--dist-init-addr", addr, "--dist-timeout", "60", "--enable-metrics", *FLOAT32],
+                      env=ONE_THREAD)
 
     with node(0) as node0, node(1) as node1:
         node0.wait_ready()
@@ -161,6 +240,16 @@ def test_two_nodes_on_loopback_match_reference_and_fail_fast_when_a_node_dies(ch
         assert rank0["tp_size"] == 2 and rank0["mode"] == "overlap"
         assert rank0["converted_layers"] == CONVERTED[conversion]
         assert_matches_reference(served(node0), load_reference(path))
+        # Each node's /metrics (node 1's from SGLang's health server on its --port) carries its
+        # own rank's FarSkip series, labelled with its node.
+        for n, server in enumerate((node0, node1)):
+            samples = metric_samples(server.url)
+            (info,) = find(samples, "farskip:info", {"node": str(n), "tp_rank": str(n)})
+            assert info[0]["mode"] == "overlap" and info[0]["converted_layers"] == "2-3", info
+            for phase in ("prefill", "decode"):
+                for lane in LANES:
+                    where = {"node": str(n), "tp_rank": str(n), "phase": phase, "lane": lane}
+                    assert one(samples, "farskip:collectives_total", where) > 0, (n, where)
 
         # A long request is in flight when node 1 dies.
         outcome = {}

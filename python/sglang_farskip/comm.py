@@ -285,7 +285,7 @@ class Communicator:
         if self.drop is not None and (lane, layer) == self.drop:
             tensor = torch.zeros_like(tensor)
         prof = self.profiler
-        record = prof.on_start(lane, layer) if prof is not None else None
+        record = prof.on_start(lane, layer, tensor.numel() * tensor.element_size()) if prof is not None else None
         timing = GpuTiming() if record is not None and tensor.is_cuda else None
         if self.asynchronous:
             if self.side_stream is not None:

@@ -88,6 +88,10 @@ class RuntimeOptions:
     profile_dir: Optional[str] = option(None, Flag(  # absolute, made by the launcher
         "--farskip-profile-dir",
         help="record per-layer collective/wait timings into DIR (off by default)"))
+    metrics: str = option("on", Flag(
+        "--farskip-metrics", choices=("on", "off"),
+        help="with SGLang's --enable-metrics: FarSkip's series on /metrics (per lane and phase: "
+        "collective time, time waited for it, bytes; the mode of each rank); default on"))
     gpu_overlap: bool = option(False, Flag(
         "--farskip-gpu-overlap", type=bool,
         help="use the side-stream all-reduce on GPU (not yet validated on hardware)"))
@@ -180,7 +184,7 @@ class RuntimeOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < float("inf"):
                 raise UserError(f"{flags[name].name} {value!r}: give a number of seconds of at least {least:g}")
-        for name in ("cpu_attention", "cpu_start_method"):  # the mode's were checked by its parse
+        for name in ("cpu_attention", "cpu_start_method", "metrics"):  # the mode's were checked by its parse
             value, choices = getattr(self, name), flags[name].choices
             if value not in choices and not (value is None and _default(name) is None):
                 raise UserError(f"{flags[name].name} {value!r}: choose one of {', '.join(choices)}")

@@ -239,10 +239,58 @@ def build_communicator(group, options: RuntimeOptions, hidden_size: int, tp_rank
     if comm.drop is not None:
         logger.warning("test only: collective %s of layer %d sums zeros (--farskip-test-drop-partial): "
                        "outputs are wrong on purpose", *comm.drop)
-    if options.profile_dir:
-        comm.profiler = OverlapProfiler(os.path.join(options.profile_dir, f"profile-rank{tp_rank}.json"))
+    sinks = _metric_sinks(options, group)
+    if options.profile_dir or sinks:
+        path = os.path.join(options.profile_dir, f"profile-rank{tp_rank}.json") if options.profile_dir else None
+        comm.profiler = OverlapProfiler(path, sinks=sinks)
     own = options.mode.own_communicator and (asynchronous or group.world_size == 1)
     return comm, options.mode if own else FarSkipMode.SYNC
+
+
+def metric_labels() -> dict | None:
+    """This rank's labels on /metrics, as SGLang labels its scheduler's series
+    (observability/metrics_collector.py), plus the node; None when SGLang's metrics are off."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import (get_disagg, get_observability, get_parallel,
+                                            get_server_args, get_serving)
+
+    args = get_server_args()
+    if not args.enable_metrics:
+        return None
+    parallel = get_parallel()
+    disagg = get_disagg()
+    labels = {
+        "model_name": get_serving().served_model_name,
+        "engine_type": "dynamic" if disagg.enable_pd_role_switch
+        else DisaggregationMode.to_engine_type(disagg.disaggregation_mode),
+        "tp_rank": parallel.tp_rank,
+        "pp_rank": parallel.pp_rank,
+        "moe_ep_rank": parallel.moe_ep_rank,
+    }
+    if parallel.dp_rank is not None:
+        labels["dp_rank"] = parallel.dp_rank
+    labels.update(get_observability().extra_metric_labels or {})
+    labels["node"] = args.node_rank
+    return labels
+
+
+def _metric_sinks(options: RuntimeOptions, group) -> tuple:
+    """FarSkip's counters on /metrics, when SGLang's metrics are on (and not --farskip-metrics
+    off). On a GPU with CUDA graphs they cannot count: a graph replay runs no Python, so no
+    collective of a replayed forward would be seen (farskip:info still says what runs)."""
+    labels = metric_labels() if options.metrics == "on" else None
+    if labels is None:
+        return ()
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.runtime_context import get_server_args
+
+    if str(group.device) != "cpu" and any(b != "disabled" for b in graph_backends(resolving_view(get_server_args()))):
+        logger.info("FarSkip's collective counters are off on /metrics: CUDA graph replays run "
+                    "no Python to count them (--disable-cuda-graph, or the profile, to measure)")
+        return ()
+    from sglang_farskip.profiler import PrometheusCounters
+
+    return (PrometheusCounters(labels),)
 
 
 def gpu_side_stream(group, options: RuntimeOptions, hidden_size: int) -> SideStreamAllReduce:

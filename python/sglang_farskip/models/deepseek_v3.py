@@ -47,6 +47,7 @@ from sglang_farskip import boundary, options, parallel, schedule
 from sglang_farskip.comm import Communicator
 from sglang_farskip.config import FarSkipConfig, FarSkipMode, is_moe_layer
 from sglang_farskip.models.status import model_report, write_rank_status
+from sglang_farskip.profiler import publish_info
 from sglang_farskip.schedule import LayerWiring
 
 logger = logging.getLogger("sglang_farskip.model")
@@ -234,6 +235,9 @@ class FarSkipDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         report = model_report(self, farskip, config.num_hidden_layers, opts.mode, mode, comm_backend,
                               extra_report)
         write_rank_status(report)
+        labels = parallel.metric_labels() if opts.metrics == "on" else None
+        if labels is not None:  # farskip:info on /metrics
+            publish_info(labels, mode.value, report["converted_layers"], comm_backend)
         if tp_rank == 0:
             logger.info(
                 "sglang_farskip: %s, mode %s (requested %s), all-reduce %s",

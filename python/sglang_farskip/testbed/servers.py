@@ -257,3 +257,24 @@ def run_load(*args: str, env: dict | None = None, timeout: float = 300) -> subpr
     base = {k: v for k, v in os.environ.items() if k != "API_KEY"}
     return subprocess.run([sys.executable, str(REPO / "bench" / "run_load.py"), *args], capture_output=True,
                           text=True, timeout=timeout, cwd=REPO, env={**base, **(env or {})})
+
+
+def stream_times(url: str, ids: list[int], max_new: int) -> list[float]:
+    """Arrival times, from the request, of each token of a streamed /generate (the tokens of a
+    chunk that carries several arrive together); bench/overlap_bench.py and metrics_cost.py."""
+    body = json.dumps({"input_ids": ids, "stream": True,
+                       "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
+                                           "ignore_eos": True}}).encode()
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    times, seen = [], 0
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line.endswith(b"[DONE]"):
+                continue
+            n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+            now = time.perf_counter() - start
+            times.extend([now] * (n - seen))  # a multi-token chunk: tokens arrive together
+            seen = n
+    return times
