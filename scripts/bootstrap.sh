@@ -29,10 +29,12 @@ missing_pd_libs() {  # sets missing (library names) and packages (Debian package
 missing_pd_libs
 if ((${#missing[@]})) && ((EUID == 0)) && command -v apt-get >/dev/null 2>&1; then
   echo "== installing ${packages[*]} (Mooncake's transfer engine links them; for PD)" >&2
+  apt_log="$(mktemp)"
   if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
-      apt-get install -y -q --no-install-recommends "${packages[@]}"; } >/tmp/farskip-apt.log 2>&1; then
-    tail -5 /tmp/farskip-apt.log >&2  # not fatal: only PD needs them (the warning below)
+      apt-get install -y -q --no-install-recommends "${packages[@]}"; } >"$apt_log" 2>&1; then
+    tail -5 "$apt_log" >&2  # not fatal: only PD needs them (the warning below)
   fi
+  rm -f "$apt_log"
   missing_pd_libs
 fi
 if ((${#missing[@]})); then
